@@ -1,0 +1,9 @@
+"""Conveyor's inference engine: continuous batching over a paged KV cache."""
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics"]

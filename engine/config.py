@@ -1,0 +1,107 @@
+"""Engine configuration: validated up front, and the KV-cache sizing derived from memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "prefix")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+# On CPU the KV cache takes this share of available RAM unless num_kv_blocks says otherwise.
+CPU_KV_CACHE_RAM_FRACTION = 0.25
+CPU_KV_CACHE_MAX_BYTES = 8 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a local directory or a hub id, got {self.model!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32  # half-precision matmuls are slow or missing on most CPUs
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def available_kv_bytes(config: EngineConfig, device: torch.device, activation_bytes: int) -> int:
+    """Memory left for the KV cache once the weights are loaded.
+
+    On CUDA: ``gpu_memory_utilization`` of the device, less what is already used (weights,
+    the CUDA context, other processes) and less a reserve for one step's activations.
+    On CPU: a share of available RAM, capped.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return int(total * config.gpu_memory_utilization) - used - activation_bytes
+    try:
+        import os
+
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 4 << 30
+    return min(int(avail * CPU_KV_CACHE_RAM_FRACTION), CPU_KV_CACHE_MAX_BYTES)

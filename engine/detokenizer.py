@@ -1,0 +1,67 @@
+"""Incremental detokenization and stop strings.
+
+Fast tokenizers use the tokenizers library's streaming decoder (``DecodeStream``), one Rust
+call per token. Text that could still turn out to be the start of a stop string is held back
+from the deltas until it cannot, so streamed deltas always add up to the final text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_backend", "_stream", "_tokenizer", "_ids", "_skip", "stops", "_hold", "text", "_emitted")
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        self._ids: list[int] = []
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string it completed, if any (the text is then
+        cut just before it)."""
+        piece = self._step(token_id)
+        if not piece:
+            return None
+        search_from = max(0, len(self.text) - self._hold)
+        self.text += piece
+        if self.stops:
+            best = -1
+            hit = None
+            for s in self.stops:
+                i = self.text.find(s, search_from)
+                if i != -1 and (best == -1 or i < best):
+                    best, hit = i, s
+            if hit is not None:
+                self.text = self.text[:best]
+                return hit
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        end = len(self.text) if finished else len(self.text) - self._hold
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _step(self, token_id: int) -> str | None:
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id)
+        # Slow tokenizers: decode the whole output and diff against what was already seen.
+        self._ids.append(token_id)
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return None
+        return full[len(self.text) :] if full.startswith(self.text) else None

@@ -1,0 +1,285 @@
+"""The KV block pool and the per-request block tables, with prefix caching.
+
+A block holds the K/V of ``block_size`` consecutive tokens of one sequence. Blocks are
+handed out on demand as a request grows, and returned the moment it finishes.
+
+Prefix caching: a *full* block is keyed by a hash chained from its parent block's key and
+its own token ids (rooted in a namespace naming the model, so different models or adapters
+never share). A new request maps the longest cached prefix of its tokens onto existing
+blocks (reference count +1, no recompute). A block whose count drops to zero goes to the
+tail of the free queue but keeps its key, so it stays findable until it is reused for
+something else: eviction is in LRU order, and a request's blocks are released tail first so
+that the end of a chain is evicted before its head. Every operation is O(1) per block.
+
+Keys are SHA-256 digests: a wrong cache hit would need a SHA-256 collision among the blocks
+ever cached, which at 2**-128 birthday odds for 2**64 blocks is not a practical concern, so
+tokens are not compared on a hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop from the head (least recently freed), append at
+    the tail, and unlink from the middle when a cache hit revives a free block; all O(1)."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise RuntimeError("no free KV block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def block_ids(self) -> list[int]:
+        ids, node = [], self._head.next_free
+        while node is not None and node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next_free
+        return ids
+
+
+class BlockPool:
+    """All KV blocks, their reference counts, the free queue and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache-hit blocks, reviving any that sat in the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks_in_eviction_order: list[KVBlock]) -> None:
+        for block in blocks_in_eviction_order:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"{block} freed more often than taken")
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def register(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a just-filled block findable, unless an identical block already is."""
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            block.block_hash = block_hash
+
+    def _evict(self, block: KVBlock) -> None:
+        if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
+            del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of which served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class KVCacheManager:
+    """Block tables per request on top of a ``BlockPool``."""
+
+    num_blocks: int
+    block_size: int
+    enable_caching: bool = True
+    namespace: str = ""
+    pool: BlockPool = field(init=False)
+    stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.num_blocks, self.enable_caching)
+        self._root_hash = hashlib.sha256(b"conveyor-kv\0" + self.namespace.encode()).digest()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    # ---- queries ------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.cached)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._block_ids.get(request_id, [])
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        hashes, bs, tokens = req.block_hashes, self.block_size, req.token_ids
+        parent = hashes[-1] if hashes else self._root_hash
+        for i in range(len(hashes), num_full_blocks):
+            chunk = np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes()
+            parent = hashlib.sha256(parent + chunk).digest()
+            hashes.append(parent)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``req``'s tokens: its blocks and token count.
+
+        The last token is always left to compute: its logits are needed to sample."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        hits = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+        reserve_blocks: int = 0,
+    ) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed_blocks``,
+        the cache hits found at admission). False, with nothing changed, when the pool is
+        short, keeping ``reserve_blocks`` free."""
+        rid = req.request_id
+        blocks = self._blocks.get(rid)
+        hits = computed_blocks or []
+        num_computed = req.num_computed_tokens + len(hits) * self.block_size
+        total = num_computed + num_new_tokens
+        have = (len(blocks) if blocks else 0) + len(hits)
+        need = -(-total // self.block_size) - have
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if need + revived + reserve_blocks > self.pool.num_free_blocks:
+            return False
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+            self._block_ids[rid] = []
+            self._num_registered[rid] = 0
+            if self.enable_caching:
+                self.stats.queries += req.num_tokens
+                self.stats.hits += len(hits) * self.block_size
+        if hits:
+            self.pool.touch(hits)
+            blocks.extend(hits)
+            self._num_registered[rid] = len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if len(self._block_ids[rid]) != len(blocks):
+            self._block_ids[rid] = [b.block_id for b in blocks]
+        if self.enable_caching:
+            self._register_full_blocks(req, blocks, total // self.block_size)
+        return True
+
+    def _register_full_blocks(self, req: Request, blocks: list[KVBlock], num_full: int) -> None:
+        # Registered when scheduled, before the step runs: a request admitted later in the same
+        # step may hit these blocks, which is sound because every layer writes the step's K/V
+        # into the cache before any attention of that layer reads it.
+        start = self._num_registered[req.request_id]
+        if num_full <= start:
+            return
+        self._extend_hashes(req, num_full)
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], req.block_hashes[i])
+        self._num_registered[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self._blocks.pop(req.request_id, None)
+        self._block_ids.pop(req.request_id, None)
+        self._num_registered.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

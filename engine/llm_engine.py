@@ -1,0 +1,315 @@
+"""The engine loop: requests in, one scheduled step at a time, ``RequestOutput`` deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models import ModelSpec, resolve_model_path
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CHAT_MESSAGES = 1024
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_evictions: int
+    num_steps: int
+    last_step_tokens: int
+    avg_tokens_per_step: float
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path = resolve_model_path(config.model, config.revision)
+        self.spec = ModelSpec.from_pretrained(model_path)
+        tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_path))
+        max_len = self.spec.max_position_embeddings
+        if self.spec.sliding_window:  # we attend to the full context: stay inside the window
+            max_len = min(max_len, self.spec.sliding_window)
+        if config.max_model_len is not None:
+            if config.max_model_len > max_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}")
+            max_len = config.max_model_len
+        self.runner = ModelRunner(config, self.spec, model_path, max_len)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
+        )
+        self.max_model_len = max_len
+        # A request never grows past what the whole cache can hold, so it always fits alone.
+        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.block_size)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = self.spec.vocab_size
+        self._groups: dict[str, list[Request]] = {}
+        self._seq = itertools.count()
+        self._pending: list[RequestOutput] = []
+        self._steps = 0
+        self._step_tokens_total = 0
+        self._last_step_tokens = 0
+        self._prompt_tokens_computed = 0
+        self._generated_tokens = 0
+
+    # ---- requests in ----------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` naming what is wrong with bad input."""
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        ids, text = self.tokenize(prompt)
+        if len(ids) >= self.max_request_tokens:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
+                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
+                "tokens) to leave room for one generated token"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for index in range(params.n):
+            seq = next(self._seq)
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(params.seed + index)
+            children.append(
+                Request(
+                    f"{seq}",
+                    ids,
+                    params,
+                    max_total_tokens=self.max_request_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_seq=seq,
+                    parent_id=request_id,
+                    index=index,
+                    priority=priority,
+                    arrival_time=arrival,
+                    generator=generator,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens),
+                    prompt_text=text,
+                )
+            )
+        self._groups[request_id] = children
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids (and the text, when there is one) of a prompt in any accepted form."""
+        if isinstance(prompt, dict):
+            keys = set(prompt) & {"prompt", "prompt_token_ids", "messages"}
+            if len(keys) != 1:
+                raise ValueError("a dict prompt needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+            key = keys.pop()
+            if key == "messages":
+                text = self._apply_chat_template(prompt["messages"])
+                return self._encode(text, add_special_tokens=False), text
+            prompt = prompt[key]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self._encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt_token_ids is empty")
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
+            return list(prompt), None
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ValueError("prompt encodes to no tokens")
+        return ids
+
+    def _apply_chat_template(self, messages: Any) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"messages has {len(messages)} entries; at most {MAX_CHAT_MESSAGES}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            content = m.get("content")
+            if not isinstance(content, (str, list)) and content is not None:
+                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - template errors come in many types
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for req in self._groups.pop(rid, ()):
+                if not req.finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                    req.metrics.finished_time = time.monotonic()
+                    self._pending.append(self._output(req, [], ""))
+
+    # ---- the loop ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return outputs
+        result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
+        now = time.monotonic()
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self._prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        if result.output is not None:
+            lp = result.output.logprobs
+            for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids)):
+                try:
+                    outputs.append(self._advance(req, token, lp[i] if lp else None, now))
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not sink the batch
+                    log.exception("request %s failed", req.parent_id)
+                    req.status = RequestStatus.FINISHED_ERROR
+                    req.error = f"{type(exc).__name__}: {exc}"
+                    req.metrics.finished_time = now
+                    outputs.append(self._output(req, [], ""))
+        self.scheduler.drop_finished_running()
+        self._steps += 1
+        self._last_step_tokens = sched.total_tokens
+        self._step_tokens_total += sched.total_tokens
+        return outputs
+
+    def _advance(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
+        req.append_token(token)
+        self._generated_tokens += 1
+        metrics = req.metrics
+        metrics.num_generated_tokens += 1
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if logprobs is not None and req.logprobs is not None:
+            req.logprobs.append(logprobs)
+        status = req.check_stop(token)
+        stop_str = req.detokenizer.add(token)
+        if stop_str is not None:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = stop_str
+        if status is not None:
+            req.status = status
+            metrics.finished_time = now
+            self._forget(req)
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        req.num_emitted_tokens = len(req.output_token_ids)
+        return self._output(req, new_ids, req.detokenizer.take_delta(req.finished))
+
+    def _forget(self, req: Request) -> None:
+        group = self._groups.get(req.parent_id)
+        if group is not None and all(r.finished for r in group):
+            del self._groups[req.parent_id]
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        finished = req.finished
+        return RequestOutput(
+            request_id=req.parent_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=req.detokenizer.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.metrics,
+            index=req.index,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            error=req.error,
+            prompt=req.prompt_text,
+        )
+
+    # ---- observability ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            kv_blocks_cached=kv.num_cached_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=kv.pool.num_evictions,
+            num_steps=self._steps,
+            last_step_tokens=self._last_step_tokens,
+            avg_tokens_per_step=self._step_tokens_total / self._steps if self._steps else 0.0,
+            num_prompt_tokens_computed=self._prompt_tokens_computed,
+            num_generated_tokens=self._generated_tokens,
+        )

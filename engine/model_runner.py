@@ -1,0 +1,124 @@
+"""Owns the weights and the KV tensors; turns a scheduled batch into flat tensors and runs it.
+
+The batch is flat and unpadded: the tokens of all scheduled requests back to back, requests
+with a single query token (decodes) first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, create_backend
+from engine.config import EngineConfig, available_kv_bytes, kv_block_bytes
+from engine.models import ModelSpec, load_model
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: list[Request]  # requests that produced a token this step, in batch order
+    output: SamplerOutput | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: Path, max_model_len: int) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device)
+        self.backend = create_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        log.info(
+            "model on %s (%s), attention=%s, %d KV blocks of %d tokens",
+            self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        spec = self.spec
+        per_block = kv_block_bytes(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        # One step's activations, generously: hidden states, fused projections and logits.
+        tokens = self.config.max_num_batched_tokens
+        activation = tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * elem * 2
+        activation += self.config.max_num_seqs * spec.vocab_size * 4 * 3
+        budget = available_kv_bytes(self.config, self.device, activation)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return int(num_blocks)
+
+    # ---------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput, block_ids_of) -> StepResult:
+        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
+        reqs = [sched.requests[i] for i in order]
+        counts = [sched.num_new_tokens[i] for i in order]
+        bs = self.block_size
+        num_decodes = sum(1 for n in counts if n == 1)
+
+        input_ids: list[int] = []
+        positions_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        tables = [block_ids_of(r) for r in reqs]
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        end = 0
+        for b, (req, n, table) in enumerate(zip(reqs, counts, tables)):
+            start = req.num_computed_tokens
+            block_tables[b, : len(table)] = table
+            input_ids.extend(req.token_ids[start : start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            positions_parts.append(pos)
+            slot_parts.append(block_tables[b, pos // bs].astype(np.int64) * bs + pos % bs)
+            seq_lens.append(start + n)
+            end += n
+            if start + n == req.num_tokens:
+                sample_rows.append(end - 1)
+                sampled.append(req)
+        positions = np.concatenate(positions_parts)
+        slots = np.concatenate(slot_parts)
+        query_start = np.zeros(len(reqs) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_lens_host=counts,
+            seq_lens_host=seq_lens,
+        )
+        self.backend.prepare(meta)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(positions).to(dev)
+        hidden = self.model(ids, pos_t, self.backend, self.kv_caches)
+        if not sampled:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return StepResult(sampled, self.sampler(logits, sampled))

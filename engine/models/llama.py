@@ -1,0 +1,173 @@
+"""The Llama family forward pass (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)
+over a flat, unpadded batch of tokens, attention through ``engine.attention``.
+
+Q/K/V and gate/up projections are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.models.model_config import ModelSpec
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The same operations, in the same order, as transformers' LlamaRMSNorm.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to ``max_len``, computed once in float32."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, scaling = spec.rope_inv_freq()
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, spec.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if spec.qkv_bias else None
+        self.o_weight = _param(spec.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.o_bias else None
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+
+    def forward(self, x, positions, rope, backend: AttentionBackend, kv_cache):
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        return F.linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inter = spec.intermediate_size
+        self.gate_up_weight = _param(2 * inter, spec.hidden_size, dtype=dtype, device=device)
+        self.gate_up_bias = _param(2 * inter, dtype=dtype, device=device) if spec.mlp_bias else None
+        self.down_weight = _param(spec.hidden_size, inter, dtype=dtype, device=device)
+        self.down_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(spec, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = MLP(spec, dtype, device)
+
+    def forward(self, x, positions, rope, backend, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if spec.tie_word_embeddings
+            else _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        )
+        self.rope = RotaryEmbedding(spec, max_len, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, backend: AttentionBackend, kv_caches) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, backend, kv_cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    # ---- loading from Hugging Face names ---------------------------------------------
+    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Each HF tensor name -> (our tensor, row offset, rows), for fused loading."""
+        spec = self.spec
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, spec.vocab_size),
+            "model.norm.weight": (self.norm.weight, 0, spec.hidden_size),
+        }
+        if not spec.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
+        q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.self_attn, layer.mlp
+            slots[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, spec.hidden_size)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, spec.hidden_size)
+            for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                slots[p + f"self_attn.{name}.weight"] = (a.qkv_weight, off, rows)
+                if a.qkv_bias is not None:
+                    slots[p + f"self_attn.{name}.bias"] = (a.qkv_bias, off, rows)
+            slots[p + "self_attn.o_proj.weight"] = (a.o_weight, 0, spec.hidden_size)
+            if a.o_bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = (a.o_bias, 0, spec.hidden_size)
+            if a.q_norm is not None:
+                slots[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, spec.head_dim)
+                slots[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, spec.head_dim)
+            for name, off in (("gate_proj", 0), ("up_proj", inter)):
+                slots[p + f"mlp.{name}.weight"] = (m.gate_up_weight, off, inter)
+                if m.gate_up_bias is not None:
+                    slots[p + f"mlp.{name}.bias"] = (m.gate_up_bias, off, inter)
+            slots[p + "mlp.down_proj.weight"] = (m.down_weight, 0, spec.hidden_size)
+            if m.down_bias is not None:
+                slots[p + "mlp.down_proj.bias"] = (m.down_bias, 0, spec.hidden_size)
+        return slots

@@ -1,0 +1,58 @@
+"""Find a checkpoint (local directory or hub id) and load its safetensors into our model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.model_config import ModelSpec
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+# Tensors some checkpoints carry that the forward pass recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; anything else is a hub id, downloaded (or found in the
+    local hub cache) with huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ValueError(f"model path {model!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - many hub/network error types; say which model
+        raise ValueError(f"could not find model {model!r} locally or on the hub: {exc}") from exc
+
+
+def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    model = LlamaForCausalLM(spec, max_len, dtype, device)
+    slots = model.weight_slots()
+    missing = set(slots)
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and spec.tie_word_embeddings:
+                    continue
+                if name not in slots:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {spec.model_type} model")
+                target, offset, rows = slots[name]
+                tensor = f.get_tensor(name)
+                if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
+                target.data[offset : offset + rows].copy_(tensor.to(dtype))
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    return model.eval()

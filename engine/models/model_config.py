@@ -1,0 +1,135 @@
+"""The architecture facts the engine needs, read from a checkpoint's ``config.json``.
+
+Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
+(``rope_parameters``). EOS ids come from ``generation_config.json`` when it has them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    checkpoint_dtype: torch.dtype | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelSpec":
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path} has no config.json") from None
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        return cls.from_dicts(cfg, gen)
+
+    @classmethod
+    def from_dicts(cls, cfg: dict, gen: dict | None = None) -> "ModelSpec":
+        gen = gen or {}
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
+            raise ValueError("multimodal checkpoints are not supported")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        theta, scaling = _rope(cfg)
+        sliding = None
+        if cfg.get("sliding_window") and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            sliding = int(cfg["sliding_window"])
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding,
+            checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        )
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies and the attention scaling factor for the configured RoPE."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        kind = self.rope_scaling.get("rope_type", "default")
+        if kind == "linear":
+            inv_freq = inv_freq / self.rope_scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling)
+        return inv_freq, 1.0
+
+
+def _rope(cfg: dict) -> tuple[float, dict]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:  # transformers 5.x
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    else:  # transformers 4.x
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    kind = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    scaling["rope_type"] = kind
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    return float(theta), scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

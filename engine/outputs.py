@@ -1,0 +1,64 @@
+"""What the engine hands back: one ``RequestOutput`` per request that advanced in a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps are ``time.monotonic()`` seconds; ``None`` until the event happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    """State of one request (one sample of it when ``n > 1``: see ``index``) after a step.
+
+    ``token_ids``/``text`` hold everything generated so far; ``new_token_ids``/``new_text``
+    the delta of this step. ``logprobs`` has one ``{token_id: logprob}`` dict per generated
+    token (the chosen token plus the top alternatives) when the request asked for them.
+    ``finish_reason`` is ``stop``, ``length``, ``abort`` or ``error`` once ``finished``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    index: int = 0
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    prompt: str | None = field(default=None, repr=False)

@@ -1,0 +1,130 @@
+"""A request's state machine and its tokens.
+
+WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (blocks freed, back in the waiting
+queue, its tokens so far recomputed on re-admission) -> RUNNING ...
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+class Request:
+    """One sequence being generated. ``token_ids`` is prompt + output so far."""
+
+    __slots__ = (
+        "request_id", "parent_id", "index", "prompt_token_ids", "params", "priority",
+        "token_ids", "output_token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "num_cached_tokens", "max_total_tokens", "stop_ids", "status", "stop_reason",
+        "error", "metrics", "generator", "detokenizer", "logprobs", "block_hashes",
+        "arrival_seq", "prompt_text", "num_emitted_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_total_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_seq: int,
+        parent_id: str | None = None,
+        index: int = 0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        generator: torch.Generator | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+        prompt_text: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_text = prompt_text
+        self.params = params
+        self.priority = priority
+        self.arrival_seq = arrival_seq
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_emitted_tokens = 0
+        limit = max_total_tokens
+        if params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + params.max_tokens)
+        self.max_total_tokens = limit
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_ids = frozenset(stop_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            num_prompt_tokens=self.num_prompt_tokens,
+        )
+        self.generator = generator
+        self.detokenizer = detokenizer
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Chained hashes of this request's full KV blocks, filled lazily by the KV cache.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int) -> RequestStatus | None:
+        """The finished state this new token puts the request in, if any."""
+        if token_id in self.stop_ids:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.token_ids) >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

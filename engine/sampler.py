@@ -1,0 +1,127 @@
+"""Batched sampling with per-request parameters and per-request seeds.
+
+Sampling uses the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which draws
+exactly from ``p``; each seeded request draws its noise from its own generator, so its tokens
+do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None  # per row, for rows that asked
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        params = [r.params for r in reqs]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, reqs)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, reqs)
+        token_list = tokens.tolist()
+        logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
+        return SamplerOutput(token_list, logprobs)
+
+    # ---------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        dev = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k_active or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None and not params[i].greedy:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        vocab = logits.shape[1]
+        out_counts = torch.zeros(len(rows), vocab, device=logits.device)
+        seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            if req.output_token_ids:
+                ids = torch.tensor(req.output_token_ids, device=logits.device)
+                out_counts[j].index_add_(0, ids, torch.ones(len(ids), device=logits.device))
+            seen[j, torch.tensor(req.token_ids, device=logits.device)] = True
+        p = [reqs[i].params for i in rows]
+        rep = torch.tensor([x.repetition_penalty for x in p], device=logits.device).unsqueeze(1)
+        freq = torch.tensor([x.frequency_penalty for x in p], device=logits.device).unsqueeze(1)
+        pres = torch.tensor([x.presence_penalty for x in p], device=logits.device).unsqueeze(1)
+        sub = logits[rows]
+        # Repetition penalty as transformers applies it, over prompt and output tokens.
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        # Frequency and presence penalties as the OpenAI API defines them, over output tokens.
+        sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+        logits = logits.clone()
+        logits[rows] = sub
+        return logits
+
+    def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> list[dict[int, float] | None]:
+        k_max = max((r.params.logprobs or 0) for r in reqs)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_vals = top_ids = None
+        if k_max:
+            top = raw.topk(k_max, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        token_list = tokens.tolist()
+        out: list[dict[int, float] | None] = []
+        for i, r in enumerate(reqs):
+            k = r.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            entry = {token_list[i]: chosen[i]}
+            if k and top_ids is not None:
+                for t, v in zip(top_ids[i][:k], top_vals[i][:k]):
+                    entry.setdefault(t, v)
+            out.append(entry)
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    dev = logits.device
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if p.top_k_active else vocab for p in params], device=dev)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    remove = ranks >= ks.unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    remove |= (probs.cumsum(dim=-1) - probs) >= top_p
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,118 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Limits on user-supplied sizes and counts.
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` is greedy.
+
+    ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means "until the model's
+    context is full". ``logprobs=k`` returns the chosen token's logprob plus the ``k`` most
+    likely alternatives at each step (``0``: the chosen token only). A sample ``i`` of a
+    seeded request with ``n > 1`` uses seed ``seed + i``.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_float("temperature", self.temperature, 0.0, None)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, None)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self.stop_strings = _normalise_stop(self.stop)
+        ids = self.stop_token_ids or ()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} entries; at most {MAX_STOP_TOKEN_IDS}")
+        for t in ids:
+            _check_int("stop_token_ids", t, 0, None)
+        self.stop_token_ids = tuple(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
+
+
+def _check_int(name: str, value: object, low: int | None, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, low: float | None, high: float | None, *, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string is {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
+    return tuple(items)

@@ -1,0 +1,183 @@
+"""Small random-weight models of each supported family, built locally (no download).
+
+A byte-level BPE tokenizer is trained on a generated corpus with the ``tokenizers`` library
+and saved with a ChatML chat template. Weights are drawn with a larger spread than
+transformers' default init: the default makes tiny models repeat one token forever, which
+would hide attention and KV-cache bugs. Norm weights and biases are random too, so a weight
+loaded into the wrong place changes the output.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = (
+    "the a an of to in on at for with from by about kitchen table order guest waiter chef "
+    "soup bread wine salad fish rice cake tea coffee water menu bill tip seat door window "
+    "slow quick hot cold sweet bitter fresh warm tiny large early late always never often "
+    "cook serve bring pour taste wait leave arrive smile ask answer count share finish "
+    "token batch queue worker engine cache block page prompt model output shard job "
+    "one two three four five six seven eight nine ten hundred thousand"
+).split()
+
+
+def corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", "!", "?", ",", ";"])
+        if rng.random() < 0.2:
+            sentence += f" {rng.randint(0, 9999)}"
+        out.append(sentence)
+    return out
+
+
+def build_tokenizer(path: str | Path, family: str = "llama", vocab_size: int = 512):
+    """Train and save a byte-level BPE tokenizer; returns the transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    llama_like = family in ("llama", "mistral")
+    if llama_like:  # these families put BOS in front of every encoded text
+        bos = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>" if llama_like else None,
+        eos_token="</s>" if llama_like else "<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_tiny_model(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: dict | None = None,
+    legacy_config: bool = False,
+    init_std: float = 0.5,
+) -> Path:
+    """Write a random-weight checkpoint (config.json, generation_config.json, safetensors,
+    tokenizer) of ``family`` to ``path`` and return the path.
+
+    ``legacy_config`` rewrites config.json in the transformers 4.x spelling
+    (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path, family)
+    vocab = len(tokenizer)
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if head_dim is not None or family == "qwen3":
+        kwargs["head_dim"] = head_dim or hidden_size // num_heads
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    config = config_cls(**kwargs)
+    if rope_scaling:
+        _set_rope(config, rope_scaling)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, init_std)
+    model.save_pretrained(str(path), safe_serialization=True)
+    eos = [tokenizer.eos_token_id]
+    if family in ("qwen2", "qwen3"):
+        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(path))
+    _normalise_config(path / "config.json", legacy_config)
+    return path
+
+
+def _set_rope(config, rope_scaling: dict) -> None:
+    if hasattr(config, "rope_parameters") and isinstance(config.rope_parameters, dict):
+        theta = config.rope_parameters.get("rope_theta", 10000.0)
+        config.rope_parameters = {**rope_scaling, "rope_theta": theta}
+    else:  # transformers 4.x
+        config.rope_scaling = dict(rope_scaling)
+
+
+def _normalise_config(config_path: Path, legacy: bool) -> None:
+    """Write config.json in the 4.x (``legacy``) or 5.x spelling, whichever transformers saved."""
+    cfg = json.loads(config_path.read_text())
+    params = cfg.get("rope_parameters")
+    if legacy and params:
+        params = dict(params)
+        cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+        cfg["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
+        del cfg["rope_parameters"]
+    elif not legacy and not params:
+        scaling = dict(cfg.pop("rope_scaling", None) or {})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        cfg["rope_parameters"] = {**scaling, "rope_theta": cfg.pop("rope_theta", 10000.0)}
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, std: float) -> None:
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.1)
+        else:  # norm weights
+            p.uniform_(0.6, 1.4)
