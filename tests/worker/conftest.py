@@ -1,0 +1,166 @@
+"""Fixtures over real services: SQLite files, PostgreSQL (127.0.0.1:5432, database ``test``),
+S3 through moto's server mode (real HTTP) and the local filesystem.
+
+A service that is down skips its tests with a loud reason; with ``CI=true`` it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import NoReturn
+
+import pytest
+
+# The machine's PostgreSQL; the standard libpq variables may point elsewhere.
+PG_HOST = os.environ.get("PGHOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("PGPORT", "5432"))
+PG_DB = os.environ.get("PGDATABASE", "test")
+PG_USERS = tuple(filter(None, (os.environ.get("PGUSER"), "postgres", "root")))
+
+
+def service_down(name: str, detail: str) -> NoReturn:
+    message = f"SERVICE DOWN: {name} is not available ({detail})"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message}; CI=true requires it", pytrace=False)
+    pytest.skip(f"{message}; start it (e.g. `bash .ci/services.sh`) to run these tests")
+
+
+# ---- PostgreSQL: a fresh schema per test ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_admin_user() -> str:
+    try:
+        import psycopg
+    except ImportError as exc:
+        service_down("PostgreSQL driver psycopg", str(exc))
+    errors = []
+    for user in PG_USERS:
+        try:
+            with psycopg.connect(host=PG_HOST, port=PG_PORT, user=user, dbname=PG_DB, connect_timeout=3):
+                return user
+        except psycopg.Error as exc:
+            errors.append(f"{user}: {' '.join(str(exc).split())}")
+    service_down(f"PostgreSQL at {PG_HOST}:{PG_PORT}/{PG_DB}", "; ".join(errors))
+
+
+@pytest.fixture
+def pg_url(pg_admin_user: str) -> Iterator[str]:
+    """A URL whose search_path is a brand-new empty schema (dropped afterwards)."""
+    import psycopg
+
+    schema = f"conveyor_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(host=PG_HOST, port=PG_PORT, user=pg_admin_user, dbname=PG_DB, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    yield f"postgresql://{pg_admin_user}@{PG_HOST}:{PG_PORT}/{PG_DB}?options=-csearch_path%3D{schema}"
+    with psycopg.connect(host=PG_HOST, port=PG_PORT, user=pg_admin_user, dbname=PG_DB, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """An empty database: a SQLite file, or a fresh Postgres schema."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'conveyor.db'}"
+    return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def db_engine(db_url: str):
+    """An engine on a database migrated to head."""
+    from worker.store.db import create_db_engine
+    from worker.store.schema import upgrade_database
+
+    upgrade_database(db_url)
+    engine = create_db_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+# ---- S3 through moto's server (real HTTP) -------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        service_down("moto server (pip install 'moto[server]')", str(exc))
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    try:
+        server.start()
+    except Exception as exc:
+        service_down("moto S3 server", repr(exc))
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str) -> str:
+    """Fake credentials and the moto endpoint in the environment (never real AWS)."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_endpoint
+
+
+@pytest.fixture
+def s3_bucket(aws_env: str) -> str:
+    """A fresh bucket, with fake credentials and the endpoint in the environment."""
+    import boto3
+
+    name = f"conveyor-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=aws_env).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3_endpoint: str):
+    """One client for the session (creating boto3 clients is slow); fake credentials."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(s3={"addressing_style": "path"}),
+    )
+
+
+@pytest.fixture(scope="session")
+def shared_bucket(s3_client) -> str:
+    name = f"conveyor-test-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path):
+    """An empty root object store: a local directory, or a fresh prefix in an S3 bucket."""
+    from worker.store.objects import LocalStore, S3Store
+
+    if request.param == "local":
+        return LocalStore(tmp_path / "objects")
+    client = request.getfixturevalue("s3_client")
+    bucket = request.getfixturevalue("shared_bucket")
+    return S3Store(bucket, f"test-{uuid.uuid4().hex[:12]}/root", client=client, part_size=5 * 1024 * 1024)

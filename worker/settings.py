@@ -1,0 +1,201 @@
+"""All worker configuration, read from ``CONVEYOR_*`` environment variables.
+
+With nothing set, everything lives under ``CONVEYOR_HOME`` (default ``~/.conveyor``) and
+needs no server: a SQLite database, a local-directory object store and kombu's SQLAlchemy
+transport on SQLite as the broker. Production sets ``CONVEYOR_DATABASE_URL`` (Postgres),
+``CONVEYOR_BROKER_URL`` (Redis, RabbitMQ, SQS) and ``CONVEYOR_STORAGE_URL``
+(``s3://bucket/prefix``; any S3-compatible endpoint via ``AWS_ENDPOINT_URL`` or
+``CONVEYOR_STORAGE_ENDPOINT_URL``).
+
+URLs may carry passwords: never log them raw. ``repr(settings)`` and
+``settings.safe_dict()`` redact them; use ``redact_url`` for anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+_SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
+_URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with any password and secret-looking query values replaced by ``***``.
+
+    ``postgresql://u:pw@h/db`` -> ``postgresql://u:***@h/db``; ``redis://:pw@h`` ->
+    ``redis://:***@h``; ``...?password=x&X-Amz-Signature=y`` -> both values ``***``.
+    """
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url redacted>"
+    out = url
+    if "@" in parts.netloc:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        user, sep, _password = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if sep else parts.netloc
+        out = out.replace(f"//{parts.netloc}", f"//{netloc}", 1)
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        query = urlencode([(k, "***" if _SECRET_QUERY_KEYS.search(k) else v) for k, v in pairs], safe="*")
+        out = out.replace(f"?{parts.query}", f"?{query}", 1)
+    return out
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on everything a user's input file controls (see ``worker.formats``)."""
+
+    max_input_bytes: int = 512 * MiB
+    max_lines: int = 1_000_000
+    max_line_bytes: int = 1 * MiB
+    max_custom_id_chars: int = 512
+    max_tokens: int = 32_768
+    default_max_tokens: int = 256
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 512
+    max_stop_token_ids: int = 256
+    max_messages: int = 1024
+
+
+class Settings(BaseSettings):
+    """Conveyor's settings. Every field reads ``CONVEYOR_<FIELD NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore", frozen=True)
+
+    home: Path = Field(default_factory=lambda: Path("~/.conveyor"))
+
+    # Services. None -> the embedded default under `home` (see the properties below).
+    database_url: str | None = None
+    broker_url: str | None = None
+    storage_url: str | None = None
+    storage_endpoint_url: str | None = None  # else boto3 reads AWS_ENDPOINT_URL itself
+
+    # Limits on user-provided sizes and counts.
+    max_input_bytes: int = Field(512 * MiB, ge=1)
+    max_lines_per_job: int = Field(1_000_000, ge=1)
+    max_line_bytes: int = Field(1 * MiB, ge=64)
+    max_custom_id_chars: int = Field(512, ge=1, le=512)
+    max_tokens: int = Field(32_768, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    max_n: int = Field(16, ge=1, le=64)
+    max_logprobs: int = Field(20, ge=0, le=20)
+    max_stop_sequences: int = Field(16, ge=0, le=32)
+    max_stop_token_ids: int = Field(256, ge=0, le=1024)
+    max_messages: int = Field(1024, ge=1)
+    max_shard_size: int = Field(10_000, ge=1)
+    max_priority: int = Field(1000, ge=0)
+
+    # Sharding, leases and write batching.
+    shard_size: int = Field(256, ge=1)
+    lease_seconds: float = Field(60.0, gt=0)
+    heartbeat_seconds: float = Field(10.0, gt=0)
+    item_commit_batch: int = Field(64, ge=1, le=10_000)
+    item_commit_interval_seconds: float = Field(0.5, gt=0)
+    snapshot_interval_seconds: float = Field(5.0, gt=0)
+    multipart_part_bytes: int = Field(8 * MiB, ge=5 * MiB, le=5 * GiB)
+
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        if self.shard_size > self.max_shard_size:
+            raise ValueError(
+                f"CONVEYOR_SHARD_SIZE={self.shard_size} exceeds CONVEYOR_MAX_SHARD_SIZE={self.max_shard_size}"
+            )
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError(
+                f"CONVEYOR_HEARTBEAT_SECONDS={self.heartbeat_seconds} must be at most half of "
+                f"CONVEYOR_LEASE_SECONDS={self.lease_seconds}, or a slow heartbeat loses the lease"
+            )
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"CONVEYOR_DEFAULT_MAX_TOKENS={self.default_max_tokens} exceeds CONVEYOR_MAX_TOKENS={self.max_tokens}"
+            )
+        return self
+
+    # ---- resolved locations -------------------------------------------------------------
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def database(self) -> str:
+        """The SQLAlchemy URL of the database (embedded: SQLite file under home)."""
+        return self.database_url or f"sqlite:///{self.home_dir / 'conveyor.db'}"
+
+    @property
+    def broker(self) -> str:
+        """The Celery broker URL (embedded: kombu's SQLAlchemy transport on SQLite)."""
+        return self.broker_url or f"sqla+sqlite:///{self.home_dir / 'broker.db'}"
+
+    @property
+    def storage(self) -> str:
+        """The object store URL: ``s3://bucket/prefix`` or ``file:///dir`` (embedded)."""
+        return self.storage_url or (self.home_dir / "objects").as_uri()
+
+    @property
+    def is_embedded(self) -> bool:
+        return not (self.database_url or self.broker_url or self.storage_url)
+
+    def ensure_home(self) -> Path:
+        """Create the home directory (for the embedded defaults); returns it."""
+        home = self.home_dir
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(
+            max_input_bytes=self.max_input_bytes,
+            max_lines=self.max_lines_per_job,
+            max_line_bytes=self.max_line_bytes,
+            max_custom_id_chars=self.max_custom_id_chars,
+            max_tokens=self.max_tokens,
+            default_max_tokens=self.default_max_tokens,
+            max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
+            max_stop_sequences=self.max_stop_sequences,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_messages=self.max_messages,
+        )
+
+    # ---- safe display -------------------------------------------------------------------
+
+    def safe_dict(self) -> dict[str, Any]:
+        """All settings plus the resolved URLs, with secrets redacted: safe to log."""
+        data = self.model_dump(mode="json")
+        for name in _URL_FIELDS:
+            data[name] = redact_url(data[name])
+        data["resolved"] = {
+            "database": redact_url(self.database),
+            "broker": redact_url(self.broker),
+            "storage": redact_url(self.storage),
+        }
+        return data
+
+    def __repr_args__(self):  # used by repr() and str()
+        for name, value in super().__repr_args__():
+            yield name, (redact_url(value) if name in _URL_FIELDS else value)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

@@ -1,0 +1,1 @@
+"""Persistence: the database (db, items, leases, schema) and object storage (objects)."""

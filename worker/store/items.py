@@ -1,0 +1,169 @@
+"""Writing finished items: batched, idempotent on ``(job_id, custom_id)``.
+
+A redelivered shard may finish an item a second time; the first stored copy wins and the
+duplicate is dropped by the database (``INSERT ... ON CONFLICT DO NOTHING``), on SQLite and
+on Postgres alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from worker.store.db import Item, ItemStatus, Job, now
+
+
+@dataclass
+class ItemRecord:
+    """One finished request, as the task layer hands it to ``record_finished_items``."""
+
+    job_id: str
+    custom_id: str
+    shard_index: int
+    line: int
+    status: ItemStatus
+    status_code: int = 200
+    request_id: str | None = None
+    response: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    preemptions: int = 0
+    queue_time: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    worker_id: str | None = None
+    finished_at: float = field(default_factory=now)
+
+
+def _insert_ignoring_duplicates(conn: Connection):
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(Item).on_conflict_do_nothing(index_elements=["job_id", "custom_id"])
+    if dialect == "sqlite":
+        return sqlite.insert(Item).on_conflict_do_nothing(index_elements=["job_id", "custom_id"])
+    raise NotImplementedError(f"record_finished_items supports sqlite and postgresql, not {dialect}")
+
+
+def record_finished_items(engine: Engine, items: Sequence[ItemRecord]) -> list[str]:
+    """Store ``items`` in one transaction; returns the custom_ids that were new.
+
+    Items already stored (same ``job_id`` and ``custom_id``) are left untouched, so calling
+    this twice with the same items stores each once. Duplicates inside ``items`` are fine.
+    """
+    if not items:
+        return []
+    rows = [dataclasses.asdict(item) for item in items]
+    for row in rows:
+        row["status"] = ItemStatus(row["status"])
+    with engine.begin() as conn:
+        stmt = _insert_ignoring_duplicates(conn).returning(Item.custom_id)
+        return list(conn.execute(stmt, rows).scalars())
+
+
+def stored_custom_ids(engine: Engine, job_id: str, shard_index: int | None = None) -> set[str]:
+    """custom_ids of a job (or of one shard) already stored: a redelivered shard skips them."""
+    stmt = select(Item.custom_id).where(Item.job_id == job_id)
+    if shard_index is not None:
+        stmt = stmt.where(Item.shard_index == shard_index)
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())
+
+
+def refresh_job_counts(engine: Engine, job_id: str) -> tuple[int, int, int]:
+    """Recompute a job's request counts from its items; returns (total, completed, failed).
+
+    ``failed`` = lines rejected at validation (``invalid_requests``) + failed items. Safe to
+    call any time from any worker: it derives, never increments.
+    """
+    completed = (
+        select(func.count())
+        .select_from(Item)
+        .where(Item.job_id == job_id, Item.status == ItemStatus.succeeded)
+        .scalar_subquery()
+    )
+    failed = (
+        select(func.count())
+        .select_from(Item)
+        .where(Item.job_id == job_id, Item.status == ItemStatus.failed)
+        .scalar_subquery()
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                completed_requests=completed,
+                failed_requests=Job.invalid_requests + failed,
+                updated_at=now(),
+            )
+        )
+        row = conn.execute(
+            select(Job.total_requests, Job.completed_requests, Job.failed_requests).where(Job.id == job_id)
+        ).one_or_none()
+    if row is None:
+        raise LookupError(f"no job {job_id!r}")
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    values.sort()
+    last = len(values) - 1
+
+    def at(q: float) -> float:
+        return values[min(last, round(q * last))]
+
+    return {"mean": sum(values) / len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": values[-1]}
+
+
+def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
+    """Sum token usage over a job's items and compute latency percentiles; store both on
+    the job (``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, ``metrics``).
+
+    ``metrics`` = ``{queue_time|ttft|tpot|e2e: {mean, p50, p90, p99, max} | None,
+    preemptions, items}`` (seconds). Run at finalisation; idempotent.
+    """
+    sums = select(
+        func.coalesce(func.sum(Item.prompt_tokens), 0),
+        func.coalesce(func.sum(Item.cached_tokens), 0),
+        func.coalesce(func.sum(Item.completion_tokens), 0),
+        func.coalesce(func.sum(Item.preemptions), 0),
+        func.count(),
+    ).where(Item.job_id == job_id)
+    timings: dict[str, list[float]] = {"queue_time": [], "ttft": [], "tpot": [], "e2e": []}
+    with engine.connect() as conn:
+        prompt, cached, completion, preemptions, count = conn.execute(sums).one()
+        rows = conn.execution_options(yield_per=10_000).execute(
+            select(Item.queue_time, Item.ttft, Item.tpot, Item.e2e).where(Item.job_id == job_id)
+        )
+        for row in rows:
+            for name, value in zip(timings, row, strict=True):
+                if value is not None:
+                    timings[name].append(value)
+    metrics: dict[str, Any] = {name: _percentiles(values) for name, values in timings.items()}
+    metrics["preemptions"] = int(preemptions)
+    metrics["items"] = int(count)
+    with engine.begin() as conn:
+        conn.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                prompt_tokens=int(prompt),
+                cached_tokens=int(cached),
+                completion_tokens=int(completion),
+                metrics=metrics,
+                updated_at=now(),
+            )
+        )
+    return metrics
