@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "prefix")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = {
     "float32": torch.float32,
@@ -17,7 +17,7 @@ DTYPES = {
 }
 # On CPU the KV cache takes this share of available RAM unless num_kv_blocks says otherwise.
 CPU_KV_CACHE_RAM_FRACTION = 0.25
-CPU_KV_CACHE_MAX_BYTES = 8 << 30
+CPU_KV_CACHE_MAX_BYTES = 4 << 30
 
 
 @dataclass

@@ -32,6 +32,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: Path, max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.spec = spec
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
@@ -59,7 +60,9 @@ class ModelRunner:
         activation = tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * elem * 2
         activation += self.config.max_num_seqs * spec.vocab_size * 4 * 3
         budget = available_kv_bytes(self.config, self.device, activation)
-        num_blocks = budget // per_block
+        # More blocks than every sequence at full length could use is memory nobody needs.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "

@@ -1,0 +1,28 @@
+"""Fixtures shared by all tests: tiny random-weight models built locally once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Kernel modules must see this before triton is first imported (CPU has no GPU to run them).
+if os.environ.get("CONVEYOR_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.testing import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> checkpoint directory, built on first use."""
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, str] = {}
+
+    def get(family: str, **kwargs) -> str:
+        key = family + "".join(f"-{k}={v}" for k, v in sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = str(build_tiny_model(root / key.replace("/", "_"), family, **kwargs))
+        return cache[key]
+
+    return get

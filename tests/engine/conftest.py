@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from tests.engine.reference import HFReference
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs; at teardown, every one of them must have no request left and all its
+    KV blocks back in the free queue with no reference held (no block leaks)."""
+    built: list[LLM] = []
+
+    def make(model: str, **kwargs) -> LLM:
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("device", "cpu")
+        llm = LLM(model, **kwargs)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        assert_no_leaks(llm.engine)
+
+
+def assert_no_leaks(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    kv = engine.kv
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not kv._blocks and not engine._groups
+    assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    cache: dict[str, HFReference] = {}
+
+    def get(model_path: str) -> HFReference:
+        if model_path not in cache:
+            cache[model_path] = HFReference(model_path)
+        return cache[model_path]
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return get

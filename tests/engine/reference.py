@@ -1,0 +1,75 @@
+"""Transformers' own greedy generation as the oracle, with the near-tie rule.
+
+Two float32 implementations of the same model differ in the last bits of their logits
+(different matmul blocking, batch shapes). A greedy token can therefore only legitimately
+differ where the reference's top-two logits are within ``TIE_MARGIN``; after such a point the
+two continuations are different texts and are not compared further.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TIE_MARGIN = 1e-3
+# References are generated once per prompt at this length and cut: greedy output for a
+# smaller max_new_tokens is a prefix of it.
+REFERENCE_TOKENS = 80
+
+
+@dataclass
+class Greedy:
+    token_ids: list[int]
+    margins: list[float]  # top1 - top2 logit at each generated position
+    logits: list[torch.Tensor]
+
+
+class HFReference:
+    def __init__(self, path: str) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache: dict[tuple, Greedy] = {}
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    @torch.no_grad()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, **gen_kwargs) -> Greedy:
+        full = self._greedy(prompt_ids, max(max_new_tokens, REFERENCE_TOKENS), **gen_kwargs)
+        m = max_new_tokens
+        return Greedy(full.token_ids[:m], full.margins[:m], full.logits[:m])
+
+    def _greedy(self, prompt_ids: list[int], max_new_tokens: int, **gen_kwargs) -> Greedy:
+        key = (tuple(prompt_ids), max_new_tokens, tuple(sorted(gen_kwargs.items())))
+        if key not in self._cache:
+            ids = torch.tensor([prompt_ids])
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **gen_kwargs,
+            )
+            tokens = out.sequences[0, len(prompt_ids) :].tolist()
+            logits = [step[0].float() for step in out.logits]
+            # Margins of the processed scores: what greedy decoding actually compared.
+            margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+            self._cache[key] = Greedy(tokens, margins, logits)
+        return self._cache[key]
+
+
+def assert_greedy_match(ours: list[int], ref: Greedy, label: str = "") -> None:
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            assert ref.margins[i] < TIE_MARGIN, (
+                f"{label}: token {i} is {a}, transformers gives {b} with a logit margin of "
+                f"{ref.margins[i]:.2e} (not a near-tie)\nours: {ours}\nref:  {ref.token_ids}"
+            )
+            return
+    assert len(ours) == len(ref.token_ids), f"{label}: {len(ours)} tokens, transformers gives {len(ref.token_ids)}"
