@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[worker,dev]"
 	touch $@
 
+EXAMPLE_MODEL ?= .cache/tiny-llama
+
 run: setup
-	$(PY) -m engine --example
+	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
+	$(PY) -m engine --model $(EXAMPLE_MODEL) --prompts examples/prompts.txt
 
 test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile

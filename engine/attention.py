@@ -1,9 +1,9 @@
 """Attention backends behind one interface, all over the same paged KV layout.
 
 - ``torch``: the CPU path. Per step, ``prepare`` turns the batch into gather indices and masks
-  once; each layer then writes its new K/V into the cache and runs attention: one batched,
-  padded computation for all decode tokens (the runner puts decodes first) and one
-  ``scaled_dot_product_attention`` call per prefill chunk.
+  once; each layer then writes its new K/V into the cache and runs attention: decode tokens
+  (the runner puts them first, sorted by context length) batched in buckets of similar
+  length, and one ``scaled_dot_product_attention`` call per prefill chunk.
 - ``triton``: the GPU path (``kernels/``), chosen automatically on CUDA.
 """
 
@@ -51,48 +51,54 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# Decodes are batched in buckets of similar context length (the runner sorts them), each padded
+# only to its own longest context: a bucket's longest is at most this factor of its shortest.
+DECODE_BUCKET_GROWTH = 1.25
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        nd = meta.num_decodes
-        self._decode_tables: torch.Tensor | None = None
-        self._decode_mask: torch.Tensor | None = None
+        self._slots = meta.slot_mapping.long()
+        self._buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
         self._prefills = []
-        start = nd
-        for b in range(nd, len(meta.query_lens_host)):
+        start = meta.num_decodes
+        for b in range(meta.num_decodes, len(meta.query_lens_host)):
             q_len, seq_len = meta.query_lens_host[b], meta.seq_lens_host[b]
             self._prefills.append((b, start, q_len, seq_len))
             start += q_len
 
-    def _decode_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables cut to the longest decode context, and the additive padding mask."""
-        if self._decode_mask is None:
-            meta, nd = self.meta, self.meta.num_decodes
-            num_blocks = -(-max(meta.seq_lens_host[:nd]) // block_size)
-            self._decode_tables = meta.block_tables[:nd, :num_blocks].long()
-            positions = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)
-            lens = meta.seq_lens[:nd].long().unsqueeze(1)
-            self._decode_mask = torch.where(positions.unsqueeze(0) < lens, 0.0, float("-inf"))
-        return self._decode_tables, self._decode_mask
+    def _decode_buckets(self, block_size: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(first, end, block tables, additive padding mask) per bucket, built once per step."""
+        if self._buckets is None:
+            meta, lens = self.meta, self.meta.seq_lens_host
+            self._buckets = []
+            first = 0
+            while first < meta.num_decodes:
+                end = first + 1
+                while end < meta.num_decodes and lens[end] <= lens[first] * DECODE_BUCKET_GROWTH:
+                    end += 1
+                num_blocks = -(-max(lens[first:end]) // block_size)
+                tables = meta.block_tables[first:end, :num_blocks].long()
+                positions = torch.arange(num_blocks * block_size, device=tables.device)
+                visible = positions.unsqueeze(0) < meta.seq_lens[first:end].long().unsqueeze(1)
+                mask = torch.zeros(visible.shape, device=tables.device).masked_fill_(~visible, float("-inf"))
+                self._buckets.append((first, end, tables, mask))
+                first = end
+        return self._buckets
 
     def forward(self, q, k, v, k_cache, v_cache, scale):
         meta = self.meta
-        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # The engine never produces negative (skipped) slots, so a plain index_copy_ will do.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, v)
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            tables, mask = self._decode_inputs(k_cache.shape[1])
-            # [nd, L, Hkv, D] -> [nd, Hkv, L, D]; queries grouped by their KV head.
-            kd = k_cache[tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
-            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-            scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-            scores = scores + mask[:, None, None, :]
-            out[:nd] = torch.matmul(scores.softmax(dim=-1), vd).view(nd, -1, head_dim)
+        if meta.num_decodes:
+            self._decode(q, k_cache, v_cache, scale, out, group)
         for b, start, q_len, seq_len in self._prefills:
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
@@ -111,6 +117,20 @@ class TorchAttention(AttentionBackend):
                 ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
             out[start : start + q_len] = ob[0].transpose(0, 1)
         return out
+
+    def _decode(self, q, k_cache, v_cache, scale, out, group) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for first, end, tables, mask in self._decode_buckets(k_cache.shape[1]):
+            n = end - first
+            keys = k_cache[tables].flatten(1, 2)  # [n, L, Hkv, D]
+            values = v_cache[tables].flatten(1, 2)
+            queries = q[first:end].view(n, num_kv_heads, group, head_dim)
+            dest = out[first:end].view(n, num_kv_heads, group, head_dim)
+            bias = mask.unsqueeze(1).expand(n, group, mask.shape[1])
+            # One KV head at a time: strided views feed bmm directly, with no transposed copies.
+            for h in range(num_kv_heads):
+                scores = torch.baddbmm(bias, queries[:, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+                dest[:, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h])
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:

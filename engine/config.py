@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a local directory or a hub id, got {self.model!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -99,8 +104,6 @@ def available_kv_bytes(config: EngineConfig, device: torch.device, activation_by
         used = total - free
         return int(total * config.gpu_memory_utilization) - used - activation_bytes
     try:
-        import os
-
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         avail = 4 << 30

@@ -72,7 +72,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_ids_of) -> StepResult:
-        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
+        # Decodes first, by context length (the torch backend buckets them by it), then prefills.
+        order = sorted(
+            range(len(sched.requests)),
+            key=lambda i: (sched.num_new_tokens[i] != 1, sched.requests[i].num_computed_tokens),
+        )
         reqs = [sched.requests[i] for i in order]
         counts = [sched.num_new_tokens[i] for i in order]
         bs = self.block_size

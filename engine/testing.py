@@ -181,3 +181,25 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, 0.1)
         else:  # norm weights
             p.uniform_(0.6, 1.4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m engine.testing", description="Build a tiny random-weight model.")
+    ap.add_argument("--out", required=True, help="directory to write the checkpoint to")
+    ap.add_argument("--family", default="llama", choices=FAMILIES)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if (out / "config.json").exists():
+        print(out)
+        return
+    build_tiny_model(out, args.family, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
