@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "prefix")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = {
     "float32": torch.float32,

@@ -5,6 +5,11 @@ prefill), then waiting requests admitted by policy while the budget, the cap and
 blocks allow. When a running request cannot get a block, the request at the tail of the
 running list (the newest, or the least important under ``priority``) is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later.
+
+Requests sharing a prefix never compute it twice: a request's full blocks are registered in
+the prefix cache when they are scheduled, and a request is only admitted once every running
+prefill has been scheduled to its end (an unfinished one takes all the budget left), so a
+newcomer always finds the shared blocks of the requests before it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from engine.request import Request, RequestStatus
 # New requests are admitted only while this share of blocks stays free for running ones to
 # grow into; without it a full admission makes the very next decode step preempt.
 ADMISSION_WATERMARK = 0.01
+# The prefix-aware policy reorders at most this many requests at the head of the queue per
+# step, so its cost stays bounded however many thousands are waiting.
+PREFIX_POLICY_WINDOW = 128
 
 
 @dataclass
@@ -92,6 +100,25 @@ class PriorityWaitingQueue(WaitingQueue):
         return (e[2] for e in self._heap)
 
 
+class PrefixAwareWaitingQueue(WaitingQueue):
+    """FCFS, except that each step the head of the queue is reordered: the longest cached
+    prefix first (it is cheapest to admit and keeps its blocks warm), and requests whose
+    first block is the same grouped together in order of their group's first arrival, so
+    that a shared prefix is computed once and reused by the rest while it is still cached."""
+
+    def reorder(self, kv: KVCacheManager) -> None:
+        window = [self._q.popleft() for _ in range(min(PREFIX_POLICY_WINDOW, len(self._q)))]
+        group_first: dict[bytes, int] = {}
+        scored = []
+        for req in window:
+            hits, _ = kv.get_computed_blocks(req)  # also fills req.block_hashes
+            group = req.block_hashes[0] if req.block_hashes else None
+            first = req.arrival_seq if group is None else group_first.setdefault(group, req.arrival_seq)
+            scored.append((-len(hits), first, req.arrival_seq, req))
+        scored.sort(key=lambda t: t[:3])
+        self._q.extendleft(t[3] for t in reversed(scored))
+
+
 def _priority_key(req: Request) -> tuple[int, int]:
     return (req.priority, req.arrival_seq)
 
@@ -111,7 +138,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.waiting: WaitingQueue = PriorityWaitingQueue() if policy == "priority" else WaitingQueue()
+        self.waiting: WaitingQueue = {
+            "priority": PriorityWaitingQueue,
+            "prefix": PrefixAwareWaitingQueue,
+        }.get(policy, WaitingQueue)()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._watermark_blocks = max(1, int(kv.num_blocks * ADMISSION_WATERMARK))
@@ -154,6 +184,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
+        if isinstance(self.waiting, PrefixAwareWaitingQueue) and len(self.waiting) > 1:
+            self.waiting.reorder(self.kv)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             hits, num_cached = self.kv.get_computed_blocks(req)

@@ -1,0 +1,103 @@
+"""The ``triton`` attention backend: the engine's attention through our Triton kernels.
+
+Each layer writes its new K/V into the paged cache with ``kernels.triton_ops.write_kv_cache``
+and attends with ``kernels.triton_ops.paged_attention``: one launch (plus a split-KV
+reduction for small decode batches) serves the whole flat batch, decodes, prefill chunks and
+prefills over a cached prefix alike, with no per-request host work and no host sync.
+
+Triton is imported lazily, once the device is known. On CUDA the kernels are compiled. On any
+other device they can only run in Triton's CPU interpreter, which Triton selects when the
+kernels are *decorated*, and which also needs ``triton`` itself imported with
+``TRITON_INTERPRET=1``: so on CPU this module sets ``TRITON_INTERPRET=1`` before the first
+import of Triton in the process, and refuses with a clear error if Triton was already imported
+without it (slow: the interpreter is for tests and comparisons, not for serving).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ``engine.attention.create_backend`` treats an ImportError of this module as "no triton".
+if not _triton_installed():
+    raise ImportError("the triton package is not installed (pip install 'conveyor[triton]')")
+
+log = logging.getLogger(__name__)
+
+_INTERPRET_VALUES = ("1", "true", "yes", "on")
+
+
+def load_kernels(device: torch.device) -> ModuleType:
+    """Import ``kernels.triton_ops`` for ``device`` (under the interpreter unless CUDA)."""
+    if device.type != "cuda":
+        if "triton" not in sys.modules:
+            if os.environ.get("TRITON_INTERPRET", "0").lower() not in _INTERPRET_VALUES:
+                log.info("attention_backend='triton' on %s: running the kernels in Triton's interpreter", device)
+            os.environ["TRITON_INTERPRET"] = "1"
+        elif not _interpreting():
+            raise RuntimeError(
+                f"attention_backend='triton' on {device.type} runs the kernels in Triton's CPU "
+                "interpreter, but triton was imported before TRITON_INTERPRET=1 was set; set "
+                "TRITON_INTERPRET=1 in the environment (or use attention_backend='torch')"
+            )
+    import kernels.triton_ops as ops
+
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            "kernels.triton_ops was compiled for a GPU (imported before TRITON_INTERPRET=1 was "
+            f"set) and cannot run on {device.type}; set TRITON_INTERPRET=1 in the environment"
+        )
+    return ops
+
+
+def _interpreting() -> bool:
+    """True when Triton's jit functions (ours and triton's own) run in the interpreter."""
+    import triton.language as tl
+
+    if "Interpreted" not in type(tl.cdiv).__name__:
+        return False
+    module = sys.modules.get("kernels.paged_attention")
+    return module is None or "Interpreted" in type(module._paged_attn_kernel).__name__
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        # Key splits of the decode kernel: None = chosen per step from the batch shape. A
+        # captured CUDA graph bakes in the count at capture, so a graph runner may pin it.
+        self.num_kv_splits: int | None = None
+        self.meta: AttentionMetadata | None = None
+        self._ops: ModuleType | None = None
+        if device is not None:  # import (and fail on a bad setup) now rather than on step one
+            self._ops = load_kernels(torch.device(device))
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if self._ops is None:
+            self._ops = load_kernels(meta.slot_mapping.device)
+        self.meta = meta
+
+    def forward(self, q, k, v, k_cache, v_cache, scale):
+        meta, ops = self.meta, self._ops
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.dtype != k_cache.dtype:
+            q = q.to(k_cache.dtype)
+        return ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            scale, meta.max_query_len, meta.max_seq_len, num_kv_splits=self.num_kv_splits,
+        )
