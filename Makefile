@@ -26,7 +26,9 @@ test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: setup
-	$(PY) benchmarks/bench_continuous_batching.py
+	$(PY) -m benchmarks.bench_continuous_batching
+	$(PY) -m benchmarks.bench_kv_memory
+	$(PY) -m benchmarks.bench_prefix_cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

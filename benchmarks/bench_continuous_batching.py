@@ -11,26 +11,19 @@ Two workloads, run side by side in one process so the ratios are fair on a noisy
 
 Prints a table and writes JSON (with machine info) to benchmarks/results/.
 
-    python benchmarks/bench_continuous_batching.py [--requests 64] [--quick]
+    python -m benchmarks.bench_continuous_batching [--requests 64] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import bench_model, write_results
 from engine import LLM, SamplingParams
-from engine.testing import build_tiny_model
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def workload(n: int, seed: int, out_lo: int, out_hi: int, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -88,36 +81,17 @@ def run_hf_generate_batch(model, prompts, lengths) -> dict | None:
     return {"seconds": dt, "tokens": produced, "tokens_per_s": produced / dt}
 
 
-def machine_info() -> dict:
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--uniform-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="a small run to check the script works")
-    ap.add_argument("--model-dir", default=None, help="reuse/build the benchmark model here")
-    ap.add_argument("--out", default=str(RESULTS / "continuous_batching_cpu.json"))
     args = ap.parse_args()
     n = 16 if args.quick else args.requests
     hi = 60 if args.quick else 500
     uniform = 16 if args.quick else args.uniform_tokens
 
-    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / "conveyor-bench-llama")
-    if not (model_dir / "config.json").exists():
-        build_tiny_model(model_dir, "llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                         intermediate_size=768, max_position_embeddings=1024)
+    model_dir = bench_model()
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -146,7 +120,6 @@ def main() -> None:
     res["engine_stats"] = vars(llm.engine.stats())
     res["model"] = {"family": "llama", "hidden": hf.config.hidden_size, "layers": hf.config.num_hidden_layers,
                     "params": sum(p.numel() for p in hf.parameters())}
-    res["machine"] = machine_info()
 
     print(f"\nmixed workload: {n} requests, outputs 10-{hi} tokens")
     print(f"  conveyor engine          {res['engine_mixed']['tokens_per_s']:9.0f} tok/s")
@@ -157,10 +130,7 @@ def main() -> None:
     if res["hf_generate_batch_uniform"]:
         print(f"  transformers generate_batch {res['hf_generate_batch_uniform']['tokens_per_s']:6.0f} tok/s")
         print(f"  ratio                    {res['ratio_vs_generate_batch']:9.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str))
-    print(f"wrote {out}")
+    write_results("continuous_batching.json", res)
 
 
 if __name__ == "__main__":

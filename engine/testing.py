@@ -137,7 +137,7 @@ def build_tiny_model(
     if rope_scaling:
         _set_rope(config, rope_scaling)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config).float()  # (the dtype kwarg is spelt differently in 4.x)
     _randomize(model, init_std)
     model.save_pretrained(str(path), safe_serialization=True)
     eos = [tokenizer.eos_token_id]
