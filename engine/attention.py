@@ -141,8 +141,8 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         backend = _triton_backend()
         if backend is None:
-            raise ValueError("attention_backend='triton' needs the triton package and engine/triton_attention.py")
-        return backend()
+            raise ValueError("attention_backend='triton' needs the triton package (pip install 'conveyor[triton]')")
+        return backend(device)
     raise ValueError(f"unknown attention backend {name!r}")
 
 

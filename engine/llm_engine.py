@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,6 +56,10 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.attention_backend == "triton" and config.resolve_device().type != "cuda" and "triton" not in sys.modules:
+            # Triton chooses its CPU interpreter when first imported, and transformers imports
+            # it while the tokenizer loads below: choose now or the kernels cannot run here.
+            os.environ["TRITON_INTERPRET"] = "1"
         model_path = resolve_model_path(config.model, config.revision)
         self.spec = ModelSpec.from_pretrained(model_path)
         tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path

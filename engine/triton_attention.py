@@ -6,11 +6,12 @@ reduction for small decode batches) serves the whole flat batch, decodes, prefil
 prefills over a cached prefix alike, with no per-request host work and no host sync.
 
 Triton is imported lazily, once the device is known. On CUDA the kernels are compiled. On any
-other device they can only run in Triton's CPU interpreter, which Triton selects when the
-kernels are *decorated*, and which also needs ``triton`` itself imported with
-``TRITON_INTERPRET=1``: so on CPU this module sets ``TRITON_INTERPRET=1`` before the first
-import of Triton in the process, and refuses with a clear error if Triton was already imported
-without it (slow: the interpreter is for tests and comparisons, not for serving).
+other device they can only run in Triton's CPU interpreter (slow: for tests and comparisons,
+not for serving), which Triton selects when a jit function is *decorated*, triton's own
+included: ``TRITON_INTERPRET=1`` must be set before the process first imports ``triton``.
+This module sets it when Triton is not imported yet, but transformers usually imports Triton
+while the engine loads the tokenizer, so in practice set it in the environment (the test
+suite's root conftest does); otherwise the backend refuses with a message saying so.
 """
 
 from __future__ import annotations
@@ -66,13 +67,17 @@ def load_kernels(device: torch.device) -> ModuleType:
 
 
 def _interpreting() -> bool:
-    """True when Triton's jit functions (ours and triton's own) run in the interpreter."""
+    """True when Triton's jit functions (triton's own and ours) run in the interpreter."""
     import triton.language as tl
 
-    if "Interpreted" not in type(tl.cdiv).__name__:
+    def interpreted(fn) -> bool:
+        return "Interpreted" in type(fn).__name__
+
+    std = getattr(tl, "cdiv", None)  # a @jit function of triton's standard library
+    if hasattr(std, "fn") and not interpreted(std):
         return False
     module = sys.modules.get("kernels.paged_attention")
-    return module is None or "Interpreted" in type(module._paged_attn_kernel).__name__
+    return module is None or interpreted(module._paged_attn_kernel)
 
 
 class TritonAttention(AttentionBackend):
@@ -84,7 +89,11 @@ class TritonAttention(AttentionBackend):
         self.num_kv_splits: int | None = None
         self.meta: AttentionMetadata | None = None
         self._ops: ModuleType | None = None
-        if device is not None:  # import (and fail on a bad setup) now rather than on step one
+        # Import (and fail on a bad setup) now rather than on the first step when the device
+        # is known: given, or necessarily not CUDA.
+        if device is None and not torch.cuda.is_available():
+            device = "cpu"
+        if device is not None:
             self._ops = load_kernels(torch.device(device))
 
     def prepare(self, meta: AttentionMetadata) -> None:
