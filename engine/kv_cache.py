@@ -235,6 +235,11 @@ class KVCacheManager:
         short, keeping ``reserve_blocks`` free."""
         rid = req.request_id
         blocks = self._blocks.get(rid)
+        if blocks is not None and not computed_blocks:
+            # The common decode step: the last block still has room and fills no new block.
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size and total // self.block_size <= self._num_registered[rid]:
+                return True
         hits = computed_blocks or []
         num_computed = req.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens

@@ -83,35 +83,37 @@ class ModelRunner:
         num_decodes = sum(1 for n in counts if n == 1)
 
         input_ids: list[int] = []
-        positions_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         tables = [block_ids_of(r) for r in reqs]
         max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        block_tables = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
         end = 0
-        for b, (req, n, table) in enumerate(zip(reqs, counts, tables)):
+        for req, n, table in zip(reqs, counts, tables):
             start = req.num_computed_tokens
-            block_tables[b, : len(table)] = table
-            input_ids.extend(req.token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
-            positions_parts.append(pos)
-            slot_parts.append(block_tables[b, pos // bs].astype(np.int64) * bs + pos % bs)
+            if n == 1:  # a decode: plain ints beat numpy for one token
+                input_ids.append(req.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids[start : start + n])
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(start + n)
             end += n
             if start + n == req.num_tokens:
                 sample_rows.append(end - 1)
                 sampled.append(req)
-        positions = np.concatenate(positions_parts)
-        slots = np.concatenate(slot_parts)
         query_start = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             query_start_loc=torch.from_numpy(query_start).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -123,7 +125,7 @@ class ModelRunner:
         )
         self.backend.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model(ids, pos_t, self.backend, self.kv_caches)
         if not sampled:
             return StepResult([], None)

@@ -114,7 +114,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
