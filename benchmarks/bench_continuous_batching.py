@@ -149,7 +149,7 @@ def main() -> None:
         print(f"  transformers generate_batch {res['hf_generate_batch_uniform']['tokens_per_s']:6.0f} tok/s")
         print(f"  ratio                    {res['ratio_vs_generate_batch']:9.2f}x")
     res["model"]["size"] = args.size
-    write_results(f"continuous_batching_{args.size}.json", res)
+    write_results(f"continuous_batching_{args.size}_{n}.json", res)
 
 
 if __name__ == "__main__":

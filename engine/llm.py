@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -52,6 +53,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
 
+        # Only final outputs are kept here: spare the engine the per-step streaming work.
+        params = [p if not p.stream else dataclasses.replace(p, stream=False) for p in params]
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         finished: dict[tuple[str, int], RequestOutput] = {}

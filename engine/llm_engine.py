@@ -150,7 +150,12 @@ class LLMEngine:
                     priority=priority,
                     arrival_time=arrival,
                     generator=generator,
-                    detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens),
+                    # Without streaming or stop strings the text is decoded once, at the end.
+                    detokenizer=(
+                        IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens)
+                        if params.stream or params.stop_strings
+                        else None
+                    ),
                     prompt_text=text,
                 )
             )
@@ -237,7 +242,9 @@ class LLMEngine:
             lp = result.output.logprobs
             for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids)):
                 try:
-                    outputs.append(self._advance(req, token, lp[i] if lp else None, now))
+                    out = self._advance(req, token, lp[i] if lp else None, now)
+                    if out is not None:
+                        outputs.append(out)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not sink the batch
                     log.exception("request %s failed", req.parent_id)
                     req.status = RequestStatus.FINISHED_ERROR
@@ -250,7 +257,7 @@ class LLMEngine:
         self._step_tokens_total += sched.total_tokens
         return outputs
 
-    def _advance(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput:
+    def _advance(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
         req.append_token(token)
         self._generated_tokens += 1
         metrics = req.metrics
@@ -260,7 +267,8 @@ class LLMEngine:
         if logprobs is not None and req.logprobs is not None:
             req.logprobs.append(logprobs)
         status = req.check_stop(token)
-        stop_str = req.detokenizer.add(token)
+        detok = req.detokenizer
+        stop_str = detok.add(token) if detok is not None else None
         if stop_str is not None:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = stop_str
@@ -268,9 +276,23 @@ class LLMEngine:
             req.status = status
             metrics.finished_time = now
             self._forget(req)
+        elif not req.params.stream:
+            return None
         new_ids = req.output_token_ids[req.num_emitted_tokens :]
         req.num_emitted_tokens = len(req.output_token_ids)
-        return self._output(req, new_ids, req.detokenizer.take_delta(req.finished))
+        return self._output(req, new_ids, self._take_text_delta(req))
+
+    def _take_text_delta(self, req: Request) -> str:
+        if req.detokenizer is not None:
+            return req.detokenizer.take_delta(req.finished)
+        return self._text(req) if req.finished else ""
+
+    def _text(self, req: Request) -> str:
+        if req.detokenizer is not None:
+            return req.detokenizer.text
+        if req.final_text is None:
+            req.final_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return req.final_text
 
     def _forget(self, req: Request) -> None:
         group = self._groups.get(req.parent_id)
@@ -283,7 +305,7 @@ class LLMEngine:
             request_id=req.parent_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids),
-            text=req.detokenizer.text,
+            text=self._text(req),
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,

@@ -49,7 +49,7 @@ class Request:
         "token_ids", "output_token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "max_total_tokens", "stop_ids", "status", "stop_reason",
         "error", "metrics", "generator", "detokenizer", "logprobs", "block_hashes",
-        "arrival_seq", "prompt_text", "num_emitted_tokens",
+        "arrival_seq", "prompt_text", "num_emitted_tokens", "final_text",
     )
 
     def __init__(
@@ -99,7 +99,8 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
         )
         self.generator = generator
-        self.detokenizer = detokenizer
+        self.detokenizer = detokenizer  # None: the text is decoded once, when finished
+        self.final_text: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Chained hashes of this request's full KV blocks, filled lazily by the KV cache.
         self.block_hashes: list[bytes] = []

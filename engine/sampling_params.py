@@ -20,7 +20,9 @@ class SamplingParams:
     ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means "until the model's
     context is full". ``logprobs=k`` returns the chosen token's logprob plus the ``k`` most
     likely alternatives at each step (``0``: the chosen token only). A sample ``i`` of a
-    seeded request with ``n > 1`` uses seed ``seed + i``.
+    seeded request with ``n > 1`` uses seed ``seed + i``. ``stream=False`` asks only for the
+    final output (``LLMEngine.step`` then reports the request once, when it finishes), which
+    spares the per-step bookkeeping: ``LLM.generate`` uses it.
     """
 
     n: int = 1
@@ -38,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    stream: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,8 +58,9 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.stop_strings = _normalise_stop(self.stop)
         ids = self.stop_token_ids or ()
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):

@@ -154,3 +154,19 @@ def test_config_rejects_bad_values():
         EngineConfig("m", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="not a directory|could not find model"):
         LLMEngine(EngineConfig("./no/such/model"))
+
+
+def test_final_only_requests_report_once_with_the_streamed_text(engine):
+    prompt = "Seven guests wait at the table"
+    engine.add_request("streamed", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_request("final", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stream=False))
+    seen = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen[o.request_id].append(o)
+    assert len(seen["final"]) == 1 and len(seen["streamed"]) == 12
+    final, last = seen["final"][0], seen["streamed"][-1]
+    assert final.finished and final.token_ids == last.token_ids and final.new_token_ids == last.token_ids
+    assert final.text == last.text == "".join(o.new_text for o in seen["streamed"]) == final.new_text
+    with pytest.raises(ValueError, match="stream"):
+        SamplingParams(stream="yes")
