@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup run test bench clean
+.PHONY: setup run run-engine test bench clean
 
 setup: $(VENV)/.installed
 
@@ -17,8 +17,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 EXAMPLE_MODEL ?= .cache/tiny-llama
+RUN_HOME ?= .cache/conveyor
 
+# The main job: examples/requests.jsonl (OpenAI Batch lines, one of them malformed) through a
+# tiny local model on embedded defaults (SQLite, local object store), results to $(RUN_HOME).
 run: setup
+	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
+	CONVEYOR_HOME=$(RUN_HOME) $(VENV)/bin/conveyor run examples/requests.jsonl --model $(EXAMPLE_MODEL) \
+	    -o $(RUN_HOME)/results.jsonl --errors $(RUN_HOME)/errors.jsonl
+	@echo "results: $(RUN_HOME)/results.jsonl   errors: $(RUN_HOME)/errors.jsonl"
+	@head -c 600 $(RUN_HOME)/results.jsonl; echo
+
+# The engine alone over a plain prompt file, printing outputs and throughput.
+run-engine: setup
 	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
 	$(PY) -m engine --model $(EXAMPLE_MODEL) --prompts examples/prompts.txt
 

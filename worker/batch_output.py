@@ -117,5 +117,10 @@ def error_line(
 
 
 def dumps_line(obj: Any) -> bytes:
-    """One JSONL line: compact, UTF-8, newline-terminated."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+    """One JSONL line: compact, UTF-8, newline-terminated (text that cannot be UTF-8, such
+    as a lone surrogate from a ``\\ud800`` escape in the input, is written escaped)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"

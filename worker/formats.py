@@ -197,7 +197,19 @@ def _custom_id(value: Any, limits: InputLimits, *, required: bool, line: int) ->
         raise InvalidRequest(
             "invalid_value", f"custom_id is longer than {limits.max_custom_id_chars} characters", "custom_id"
         )
+    if "\x00" in value or not _encodable(value):
+        raise InvalidRequest(
+            "invalid_value", "custom_id must be UTF-8 text without NUL characters or lone surrogates", "custom_id"
+        )
     return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest:

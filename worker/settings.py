@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 KiB = 1024
@@ -29,6 +29,7 @@ GiB = 1024 * MiB
 
 _SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
 _URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
+_QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,24}$")
 
 
 def redact_url(url: str | None) -> str | None:
@@ -111,7 +112,34 @@ class Settings(BaseSettings):
     snapshot_interval_seconds: float = Field(5.0, gt=0)
     multipart_part_bytes: int = Field(8 * MiB, ge=5 * MiB, le=5 * GiB)
 
+    # The worker: which model it serves, how many shard tasks it runs at once (threads),
+    # and the engine's options (``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}').
+    model: str | None = None
+    queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
+    worker_concurrency: int = Field(4, ge=1, le=256)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
+    broker_transport_options: dict[str, Any] = Field(default_factory=dict)
+    broker_visibility_timeout: float = Field(3600.0, gt=0)
+
+    # Fault handling: how often a running shard looks for a cancel, how often each worker
+    # sweeps for shards of dead workers, and how many attempts a failing shard gets.
+    cancel_poll_seconds: float = Field(1.0, gt=0)
+    sweep_interval_seconds: float = Field(15.0, gt=0)
+    shard_max_attempts: int = Field(3, ge=1, le=100)
+    max_shards_per_job: int = Field(100_000, ge=1)
+
     log_level: str = "INFO"
+
+    @field_validator("queue_prefix")
+    @classmethod
+    def _check_queue_prefix(cls, value: str) -> str:
+        if not _QUEUE_PREFIX.match(value):
+            raise ValueError(
+                f"CONVEYOR_QUEUE_PREFIX must be 1-24 letters, digits, '_' or '-', got {value!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:

@@ -164,3 +164,124 @@ def store(request: pytest.FixtureRequest, tmp_path):
     client = request.getfixturevalue("s3_client")
     bucket = request.getfixturevalue("shared_bucket")
     return S3Store(bucket, f"test-{uuid.uuid4().hex[:12]}/root", client=client, part_size=5 * 1024 * 1024)
+
+
+# ---- brokers: Redis and RabbitMQ, isolated per test --------------------------------------
+
+REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("CONVEYOR_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+@pytest.fixture
+def redis_broker() -> Iterator[dict]:
+    """The machine's Redis with a key prefix of this test's own (all its keys removed after)."""
+    try:
+        import redis
+    except ImportError as exc:
+        service_down("Redis client (pip install redis)", str(exc))
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        service_down(f"Redis at {REDIS_URL}", str(exc))
+    prefix = f"conveyor-test-{uuid.uuid4().hex[:10]}:"
+    yield {"broker_url": REDIS_URL, "broker_transport_options": {"global_keyprefix": prefix}}
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def amqp_broker() -> Iterator[dict]:
+    """The machine's RabbitMQ; the test's queues (``<queue_prefix>-*``) are deleted after."""
+    from kombu import Connection
+
+    try:
+        with Connection(AMQP_URL, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        service_down(f"RabbitMQ at {AMQP_URL}", repr(exc))
+    created: list[str] = []
+    yield {"broker_url": AMQP_URL, "_queues": created}
+    with Connection(AMQP_URL, connect_timeout=3) as conn:
+        channel = conn.default_channel
+        for name in created:
+            try:
+                channel.queue_delete(name)
+                channel.exchange_delete(name)
+            except Exception:  # noqa: BLE001 - best effort
+                channel = conn.channel()
+
+
+# ---- tiny model, per-test stacks and worker subprocesses --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> str:
+    return tiny_models("llama")
+
+
+@pytest.fixture
+def embedded_stack(tmp_path, tiny_model):
+    """Embedded defaults: SQLite, kombu's SQLAlchemy broker on SQLite, a local directory."""
+    from tests.worker.helpers import Stack, make_values
+
+    return Stack(make_values(tmp_path / "home", tiny_model), tiny_model)
+
+
+def _service_stack(tmp_path, tiny_model, pg_url, broker: dict, storage_url: str, extra_env: dict):
+    from tests.worker.helpers import Stack, make_values
+    from worker.queues import canonical_model, queue_name
+
+    from worker.store.schema import upgrade_database
+
+    upgrade_database(pg_url)  # what `conveyor db upgrade` does; workers refuse an empty schema
+    options = {k: v for k, v in broker.items() if not k.startswith("_")}
+    values = make_values(tmp_path / "home", tiny_model, database_url=pg_url, storage_url=storage_url, **options)
+    if "_queues" in broker:
+        broker["_queues"].append(queue_name(canonical_model(tiny_model), values["queue_prefix"]))
+    return Stack(values, tiny_model, extra_env)
+
+
+def _aws_env(endpoint: str) -> dict:
+    return {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+    }  # fmt: skip
+
+
+@pytest.fixture
+def pg_redis_s3_stack(tmp_path, tiny_model, pg_url, redis_broker, s3_bucket, aws_env):
+    return _service_stack(tmp_path, tiny_model, pg_url, redis_broker, f"s3://{s3_bucket}/conveyor", _aws_env(aws_env))
+
+
+@pytest.fixture
+def pg_amqp_s3_stack(tmp_path, tiny_model, pg_url, amqp_broker, s3_bucket, aws_env):
+    return _service_stack(tmp_path, tiny_model, pg_url, amqp_broker, f"s3://{s3_bucket}/conveyor", _aws_env(aws_env))
+
+
+@pytest.fixture
+def spawn_worker(tmp_path):
+    """``spawn_worker(stack, **kw)`` starts a worker subprocess; all are stopped after the
+    test, pass or fail (and die with the test process if it is killed)."""
+    from tests.worker.helpers import WorkerProc
+
+    procs: list = []
+
+    def spawn(stack, *, plain_celery: bool = False, concurrency: int = 2, **overrides):
+        log = tmp_path / f"worker-{len(procs)}.log"
+        proc = WorkerProc(stack.env(**overrides), log, plain_celery=plain_celery, concurrency=concurrency)
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
+
+
+def pytest_configure(config) -> None:
+    # kombu's SQLAlchemy transport uses a loader option SQLAlchemy 2.1 deprecates (not ours).
+    config.addinivalue_line("filterwarnings", "ignore:The ``noload`` loader strategy:DeprecationWarning")

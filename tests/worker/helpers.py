@@ -1,0 +1,178 @@
+"""Helpers for the worker tests: per-test settings, worker subprocesses, inputs, results."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+# Fast fault handling for tests: a dead worker's shard is taken over within a few seconds.
+FAST = {
+    "lease_seconds": 3.0,
+    "heartbeat_seconds": 0.5,
+    "sweep_interval_seconds": 0.5,
+    "cancel_poll_seconds": 0.2,
+    "item_commit_interval_seconds": 0.2,
+    "snapshot_interval_seconds": 0.5,
+    "shard_size": 4,
+    "worker_concurrency": 2,
+}
+ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 64}
+
+
+@dataclass
+class Stack:
+    """One test's isolated services: the settings, and the same as environment variables."""
+
+    values: dict[str, Any]
+    model: str
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(**self.values)
+
+    def env(self, **overrides: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+        values = {**self.values, **overrides}
+        for name, value in values.items():
+            if value is None:
+                continue
+            env[f"CONVEYOR_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        env.update(self.extra_env)
+        env["PYTHONPATH"] = str(REPO)
+        env.setdefault("TRITON_INTERPRET", "1")
+        return env
+
+    def with_values(self, **overrides: Any) -> Stack:
+        return Stack({**self.values, **overrides}, self.model, dict(self.extra_env))
+
+
+def make_values(home: Path, model: str, **overrides: Any) -> dict[str, Any]:
+    return {
+        "home": str(home),
+        "model": model,
+        "queue_prefix": f"t{uuid.uuid4().hex[:10]}",
+        "engine_args": dict(ENGINE),
+        **FAST,
+        **overrides,
+    }
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it if the test process dies (no orphans)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setsid()
+
+
+class WorkerProc:
+    """A worker in a subprocess (``conveyor worker`` or plain ``celery -A worker.app worker``)."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, *, plain_celery: bool = False, concurrency: int = 2) -> None:
+        if plain_celery:
+            argv = [PYTHON, "-m", "celery", "-A", "worker.app", "worker", "--loglevel=INFO", "--without-mingle", "--without-gossip"]
+        else:
+            argv = [PYTHON, "-m", "worker.cli", "worker", "--concurrency", str(concurrency), "--loglevel", "INFO"]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"worker not ready after {timeout} s:\n{self.log()[-3000:]}")
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self) -> None:
+        """Ask for a warm shutdown (SIGTERM to its process group)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float = 1.5) -> None:
+        """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds."""
+        self.terminate()
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self._log.close()
+
+
+def openai_lines(n: int, *, max_tokens: int = 8, ignore_eos: bool = False, prefix: str = "req") -> list[dict[str, Any]]:
+    """``n`` OpenAI Batch lines alternating chat and completions, greedy."""
+    lines = []
+    for i in range(n):
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
+        if ignore_eos:
+            body["ignore_eos"] = True
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"Bring soup number {i} to the guest"}]
+            url = "/v1/chat/completions"
+        else:
+            body["prompt"] = f"The chef cooks dish {i} and"
+            url = "/v1/completions"
+        lines.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": body})
+    return lines
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return b"".join(
+        (row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n" for row in rows
+    )
+
+
+def parse_lines(lines: Any) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)

@@ -1,0 +1,138 @@
+"""Shard execution without a broker: redelivery, leases, partial progress, retries."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+from sqlalchemy import select, update
+
+from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
+from worker.client import Client
+from worker.context import WorkerContext
+from worker.runtime import RequestHandle
+from worker.shards import RetryShard, run_shard
+from worker.store.db import ItemStatus, Job, Shard, ShardStatus
+from worker.store.items import ItemRecord, record_finished_items
+from worker.store.leases import acquire_lease
+
+
+@pytest.fixture
+def queued(embedded_stack):
+    """(client, ctx, job) for an 8-item job in 2 shards, nothing enqueued."""
+    client = Client(embedded_stack.settings)
+    job = client.submit(jsonl(openai_lines(8)), embedded_stack.model, shard_size=4, enqueue=False)
+    ctx = WorkerContext.create(embedded_stack.settings)
+    yield client, ctx, job
+    ctx.close()
+    client.close()
+
+
+def test_a_redelivered_shard_is_skipped(queued) -> None:
+    client, ctx, job = queued
+    first = run_shard(ctx, job["id"], 0)
+    assert first.status == "completed" and first.items == 4 and not first.finalized
+    again = run_shard(ctx, job["id"], 0)
+    assert again.status == "skipped" and "already completed" in again.reason
+    last = run_shard(ctx, job["id"], 1)
+    assert last.finalized and client.status(job["id"])["status"] == "completed"
+    assert len(list(client.results(job["id"]))) == 8
+
+
+def test_items_already_stored_are_not_run_again(queued) -> None:
+    client, ctx, job = queued
+    marker = {"object": "text_completion", "choices": [{"text": "from the first attempt"}]}
+    record_finished_items(
+        ctx.db,
+        [ItemRecord(job["id"], f"req-{i}", 0, i + 1, ItemStatus.succeeded, response=marker) for i in (0, 2)],
+    )
+    outcome = run_shard(ctx, job["id"], 0)
+    assert outcome.status == "completed" and outcome.items == 2
+    run_shard(ctx, job["id"], 1)
+    results = parse_lines(client.results(job["id"]))
+    assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(8)]
+    assert [r["response"]["body"] == marker for r in results[:4]] == [True, False, True, False]
+
+
+def test_a_live_lease_elsewhere_means_skip_and_an_expired_one_is_taken_over(queued) -> None:
+    client, ctx, job = queued
+    assert acquire_lease(ctx.db, job["id"], 0, "other-worker", ttl=60)
+    skipped = run_shard(ctx, job["id"], 0)
+    assert skipped.status == "skipped" and "another worker" in skipped.reason
+    assert acquire_lease(ctx.db, job["id"], 1, "dead-worker", ttl=1, at=time.time() - 100)
+    taken = run_shard(ctx, job["id"], 1)
+    assert taken.status == "completed" and taken.items == 4
+    with ctx.db.connect() as conn:
+        attempts = conn.execute(select(Shard.attempts).where(Shard.job_id == job["id"], Shard.shard_index == 1)).scalar()
+    assert attempts == 2
+
+
+class _StuckHost:
+    """A host whose requests never finish (or whose submit fails)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.aborted = fail, []
+        self.pid, self.alive, self.tokenizer = os.getpid(), True, None
+
+    def submit(self, prompt, params, *, priority=0, tag=None, on_done=None):
+        if self.fail:
+            raise RuntimeError("engine exploded")
+        return RequestHandle(f"r{id(tag)}", Future(), tag)
+
+    def abort(self, handle):
+        self.aborted.append(handle)
+
+    def close(self):
+        pass
+
+
+def test_failed_attempts_are_retried_then_the_items_fail_and_the_job_goes_on(embedded_stack) -> None:
+    stack = embedded_stack.with_values(shard_max_attempts=2)
+    client = Client(stack.settings)
+    job = client.submit(jsonl(openai_lines(4)), stack.model, shard_size=4, enqueue=False)
+    ctx = WorkerContext.create(stack.settings, host_factory=lambda: _StuckHost(fail=True))
+    with pytest.raises(RetryShard, match="engine exploded"):
+        run_shard(ctx, job["id"], 0)
+    with ctx.db.connect() as conn:
+        status, error = conn.execute(select(Shard.status, Shard.error).where(Shard.job_id == job["id"])).one()
+    assert status is ShardStatus.pending and "engine exploded" in error
+    outcome = run_shard(ctx, job["id"], 0)
+    assert outcome.status == "failed" and outcome.finalized
+    final = client.status(job["id"])
+    assert final["status"] == "completed" and final["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+    errors = parse_lines(client.results(job["id"], errors=True))
+    assert {e["error"]["code"] for e in errors} == {"shard_failed"} and "engine exploded" in errors[0]["error"]["message"]
+    ctx.close()
+    client.close()
+
+
+def test_a_lost_lease_stops_the_shard_and_aborts_its_items(queued) -> None:
+    client, ctx, job = queued
+    host = _StuckHost()
+    ctx.host_factory = lambda: host
+    box = {}
+    runner = threading.Thread(target=lambda: box.setdefault("outcome", run_shard(ctx, job["id"], 0)))
+    runner.start()
+    wait_for(lambda: len(host.aborted) == 0 and _owner(ctx, job["id"]), 10, "the lease")
+    time.sleep(0.3)
+    with ctx.db.begin() as conn:  # another worker took the shard over
+        conn.execute(update(Shard).where(Shard.job_id == job["id"], Shard.shard_index == 0).values(lease_owner="thief"))
+    runner.join(10)
+    assert box["outcome"].status == "lease_lost" and len(host.aborted) == 4
+
+
+def _owner(ctx, job_id: str):
+    with ctx.db.connect() as conn:
+        return conn.execute(select(Shard.lease_owner).where(Shard.job_id == job_id, Shard.shard_index == 0)).scalar()
+
+
+def test_a_job_for_another_model_is_left_alone(queued, embedded_stack) -> None:
+    client, ctx, job = queued
+    with ctx.db.begin() as conn:
+        conn.execute(update(Job).where(Job.id == job["id"]).values(model="Other/model"))
+    assert run_shard(ctx, job["id"], 0).status == "skipped"
+    with ctx.db.connect() as conn:
+        assert conn.execute(select(Shard.status).where(Shard.job_id == job["id"], Shard.shard_index == 0)).scalar() is ShardStatus.pending

@@ -1,0 +1,147 @@
+"""Recovering work a dead worker left behind (every worker sweeps its own model's jobs).
+
+- A ``running`` shard whose lease expired (its worker died or hung) is handed back
+  (``pending``) and enqueued again; the lease guarantees only one worker runs it.
+- A ``pending`` shard whose message was lost (a broker that drops a dead consumer's
+  unacknowledged messages, such as kombu's SQLAlchemy transport) is enqueued again once
+  the model's queue is empty and the shard has waited a whole lease period since it was
+  last enqueued (``heartbeat_at`` of a pending shard is when it was last enqueued). A
+  duplicate message is harmless: its task finds the lease taken or the shard done and exits.
+- A job whose finaliser died (``finalizing``, no heartbeat for a lease period), or whose
+  last shard's worker died before finalising, gets a finalisation task.
+
+Every hand-over is a compare-and-set, so of several sweeping workers exactly one acts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import and_, exists, or_, select, update
+
+from worker.context import WorkerContext
+from worker.finalize import ACTIVE_SHARD
+from worker.store.db import Job, JobStatus, Shard, ShardStatus, now
+
+log = logging.getLogger(__name__)
+
+BATCH = 64
+LIVE = (JobStatus.in_progress, JobStatus.cancelling)
+
+
+@dataclass
+class SweepReport:
+    expired: list[tuple[str, int]] = field(default_factory=list)
+    lost: list[tuple[str, int]] = field(default_factory=list)
+    finalize: list[str] = field(default_factory=list)  # claim and finalise
+    refinalize: list[str] = field(default_factory=list)  # redo a stalled finalisation
+
+
+class Sweeper:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        enqueue_shard: Callable[[str, int], None],
+        enqueue_finalize: Callable[[str, bool], None],
+        queue_depth: Callable[[], int | None],
+    ) -> None:
+        self.ctx = ctx
+        self._enqueue_shard = enqueue_shard
+        self._enqueue_finalize = enqueue_finalize
+        self._queue_depth = queue_depth
+
+    def sweep_once(self) -> SweepReport:
+        report = SweepReport()
+        self._expired_leases(report)
+        if self._queue_depth() == 0:
+            self._lost_messages(report)
+        self._stalled_jobs(report)
+        for job_id, index in report.expired + report.lost:
+            self._enqueue_shard(job_id, index)
+        for job_id in report.finalize:
+            self._enqueue_finalize(job_id, False)
+        for job_id in report.refinalize:
+            self._enqueue_finalize(job_id, True)
+        if report.expired or report.lost or report.finalize or report.refinalize:
+            log.warning(
+                "sweep: re-enqueued %d shards with expired leases, %d with lost messages; %d jobs to finalise",
+                len(report.expired), len(report.lost), len(report.finalize) + len(report.refinalize),
+            )  # fmt: skip
+        return report
+
+    def _my_live_jobs(self):
+        return select(Job.id).where(Job.model == self.ctx.model, Job.status.in_(LIVE))
+
+    def _expired_leases(self, report: SweepReport) -> None:
+        t = now()
+        with self.ctx.db.begin() as conn:
+            rows = conn.execute(
+                select(Shard.job_id, Shard.shard_index)
+                .where(
+                    Shard.job_id.in_(self._my_live_jobs()),
+                    Shard.status == ShardStatus.running,
+                    Shard.lease_expires_at < t,
+                )
+                .limit(BATCH)
+            ).all()
+            for job_id, index in rows:
+                won = conn.execute(
+                    update(Shard)
+                    .where(
+                        Shard.job_id == job_id, Shard.shard_index == index,
+                        Shard.status == ShardStatus.running, Shard.lease_expires_at < t,
+                    )  # fmt: skip
+                    .values(status=ShardStatus.pending, lease_owner=None, lease_expires_at=None, heartbeat_at=t)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if won:
+                    report.expired.append((job_id, index))
+
+    def _lost_messages(self, report: SweepReport) -> None:
+        t = now()
+        before = t - self.ctx.settings.lease_seconds
+        with self.ctx.db.begin() as conn:
+            rows = conn.execute(
+                select(Shard.job_id, Shard.shard_index, Shard.heartbeat_at)
+                .where(
+                    Shard.job_id.in_(self._my_live_jobs()),
+                    Shard.status == ShardStatus.pending,
+                    or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < before),
+                )
+                .order_by(Shard.job_id, Shard.shard_index)
+                .limit(BATCH)
+            ).all()
+            for job_id, index, seen in rows:
+                same = Shard.heartbeat_at.is_(None) if seen is None else Shard.heartbeat_at == seen
+                won = conn.execute(
+                    update(Shard)
+                    .where(Shard.job_id == job_id, Shard.shard_index == index, Shard.status == ShardStatus.pending, same)
+                    .values(heartbeat_at=t)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if won:
+                    report.lost.append((job_id, index))
+
+    def _stalled_jobs(self, report: SweepReport) -> None:
+        t = now()
+        before = t - max(self.ctx.settings.lease_seconds, 3 * self.ctx.settings.heartbeat_seconds)
+        no_active = ~exists().where(Shard.job_id == Job.id, Shard.status.in_(ACTIVE_SHARD))
+        claimed = and_(Job.finalizing_at.is_not(None), Job.status.in_((JobStatus.finalizing, JobStatus.cancelling)))
+        unclaimed = and_(Job.finalizing_at.is_(None), Job.status.in_(LIVE), no_active)
+        with self.ctx.db.begin() as conn:
+            rows = conn.execute(
+                select(Job.id, Job.updated_at, Job.finalizing_at)
+                .where(Job.model == self.ctx.model, Job.updated_at < before, or_(claimed, unclaimed))
+                .limit(BATCH)
+            ).all()
+            for job_id, updated_at, finalizing_at in rows:
+                won = conn.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.updated_at == updated_at)
+                    .values(updated_at=t)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if won:
+                    (report.refinalize if finalizing_at is not None else report.finalize).append(job_id)
