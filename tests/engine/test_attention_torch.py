@@ -1,0 +1,86 @@
+"""The torch attention backend (the CPU path) against the reference oracle, including the
+cascade path for decodes that share a long cached prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine import attention as attention_module
+from engine.attention import AttentionMetadata, TorchAttention
+from kernels import reference
+from tests.engine.reference import assert_greedy_match
+
+
+def _batch(shared_tokens: int, decode_lens: list[int], prefills: list[tuple[int, int]], *, bs=8, hkv=2, group=2, d=16):
+    """A cache where every request's blocks are distinct except the first ``shared_tokens //
+    bs`` blocks, which all requests share. Unused blocks hold NaN."""
+    torch.manual_seed(0)
+    shared = shared_tokens // bs
+    lens = decode_lens + [s for _, s in prefills]
+    q_lens = [1] * len(decode_lens) + [q for q, _ in prefills]
+    num_blocks = shared + sum(-(-n // bs) for n in lens) + 4
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(num_blocks - shared).add(shared).tolist()
+    max_blocks = max(-(-n // bs) for n in lens)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        need = -(-n // bs)
+        own = [perm.pop() for _ in range(need - min(shared, need))]
+        row = list(range(min(shared, need))) + own
+        tables[b, :need] = torch.tensor(row)
+        k_cache[torch.tensor(row)] = torch.randn(need, bs, hkv, d)  # (shared blocks rewritten alike)
+    k_cache[:shared] = torch.randn(shared, bs, hkv, d)
+    v_cache[~torch.isnan(k_cache)] = torch.randn(int((~torch.isnan(k_cache)).sum()))
+    total = sum(q_lens)
+    q = torch.randn(total, hkv * group, d)
+    k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+    slots = []
+    for b, (ql, n) in enumerate(zip(q_lens, lens)):
+        for pos in range(n - ql, n):
+            slots.append(int(tables[b, pos // bs]) * bs + pos % bs)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=tables, query_start_loc=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32), max_query_len=max(q_lens), max_seq_len=max(lens),
+        num_decodes=len(decode_lens), query_lens_host=q_lens, seq_lens_host=lens,
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("shared_tokens", [0, 64, 320])
+def test_torch_backend_matches_the_reference(shared_tokens):
+    decode_lens = sorted([shared_tokens + n for n in (3, 9, 17, 40, 41, 90)])
+    q, k, v, kc, vc, meta = _batch(shared_tokens, decode_lens, prefills=[(5, 5), (7, shared_tokens + 30)])
+    oracle_k, oracle_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, oracle_k, oracle_v, meta.slot_mapping)
+    expected = reference.paged_attention(q, oracle_k, oracle_v, meta.block_tables, meta.query_start_loc,
+                                         meta.seq_lens, 0.25)
+    backend = TorchAttention()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, kc, vc, 0.25)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc.nan_to_num(), oracle_k.nan_to_num())
+    used_cascade = backend._shared is not None
+    assert used_cascade == (shared_tokens >= attention_module.CASCADE_MIN_SHARED_TOKENS)
+
+
+def test_cascade_decoding_keeps_outputs_exact(tiny_models, hf_reference, make_llm, monkeypatch):
+    path = tiny_models("qwen2")
+    hf = hf_reference(path)
+    calls = []
+    original = attention_module._shared_prefix_partials
+    monkeypatch.setattr(attention_module, "_shared_prefix_partials",
+                        lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(attention_module, "CASCADE_MIN_SHARED_TOKENS", 32)
+    llm = make_llm(path, block_size=8)
+    system = "Seven guests wait at the table and the waiter pours cold water while the kitchen bakes bread. " * 2
+    prompts = [system + q for q in ("Tea?", "Soup and fish", "The bill", "Count to three", "Cake", "Rice")]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0))  # caches the shared prefix
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert calls, "the cascade path did not run"
+    for p, o in zip(prompts, outs):
+        assert_greedy_match(o.token_ids, hf.greedy(hf.encode(p), 20), p)
