@@ -250,6 +250,7 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_ERROR
                     req.error = f"{type(exc).__name__}: {exc}"
                     req.metrics.finished_time = now
+                    self._forget(req)
                     outputs.append(self._output(req, [], ""))
         self.scheduler.drop_finished_running()
         self._steps += 1

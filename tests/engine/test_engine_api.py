@@ -170,3 +170,24 @@ def test_final_only_requests_report_once_with_the_streamed_text(engine):
     assert final.text == last.text == "".join(o.new_text for o in seen["streamed"]) == final.new_text
     with pytest.raises(ValueError, match="stream"):
         SamplingParams(stream="yes")
+
+
+def test_a_request_failing_mid_step_does_not_sink_the_batch(engine):
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, "Seven guests wait at the table", SamplingParams(max_tokens=10, temperature=0, stop="zzz"))
+    class Broken:
+        text = ""
+
+        def add(self, token_id):
+            raise RuntimeError("detokenizer broke")
+
+        def take_delta(self, finished):
+            return ""
+
+    engine._groups["b"][0].detokenizer = Broken()
+    done = _drain(engine)
+    assert done["b"].finish_reason == "error" and "RuntimeError: detokenizer broke" in done["b"].error
+    assert done["a"].finish_reason == done["c"].finish_reason == "length"
+    assert len(done["a"].token_ids) == 10
+    engine.add_request("b", "Tea", GREEDY)  # the failed id is free again
+    _drain(engine)
