@@ -79,8 +79,12 @@ class LLMEngine:
             namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
         )
         self.max_model_len = max_len
-        # A request never grows past what the whole cache can hold, so it always fits alone.
+        # A request never grows past what the whole cache can hold, so it always fits alone;
+        # without chunked prefill it must also fit one step's budget, or (re)admitting it never
+        # could happen.
         self.max_request_tokens = min(max_len, self.runner.num_blocks * config.block_size)
+        if not config.enable_chunked_prefill:
+            self.max_request_tokens = min(self.max_request_tokens, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -127,7 +131,8 @@ class LLMEngine:
             raise ValueError(
                 f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
                 f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
-                "tokens) to leave room for one generated token"
+                f"tokens{'' if self.config.enable_chunked_prefill else ', max_num_batched_tokens without chunked prefill'}"
+                ") to leave room for one generated token"
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []

@@ -184,7 +184,9 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
-        if isinstance(self.waiting, PrefixAwareWaitingQueue) and len(self.waiting) > 1:
+        if isinstance(self.waiting, PrefixAwareWaitingQueue) and len(self.waiting) > 1 and (
+            len(self.running) < self.max_num_seqs and budget > 0
+        ):
             self.waiting.reorder(self.kv)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()

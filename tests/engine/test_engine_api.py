@@ -191,3 +191,16 @@ def test_a_request_failing_mid_step_does_not_sink_the_batch(engine):
     assert len(done["a"].token_ids) == 10
     engine.add_request("b", "Tea", GREEDY)  # the failed id is free again
     _drain(engine)
+
+
+def test_without_chunked_prefill_requests_are_bounded_by_the_step_budget(tiny_models):
+    engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", enable_chunked_prefill=False,
+                                    max_num_batched_tokens=32, block_size=4, num_kv_blocks=12))
+    with pytest.raises(ValueError, match="max_num_batched_tokens without chunked prefill"):
+        engine.add_request("long", list(range(3, 40)), GREEDY)
+    for i in range(3):  # 3 x 32 tokens > 48 cache slots: preempted requests must be re-admittable
+        engine.add_request(f"r{i}", list(range(3, 23)), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    done = _drain(engine)
+    assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 32 for o in done.values())
+    assert engine.stats().num_preemptions > 0
+    assert_no_leaks(engine)
