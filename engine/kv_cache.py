@@ -238,7 +238,9 @@ class KVCacheManager:
         if blocks is not None and not computed_blocks:
             # The common decode step: the last block still has room and fills no new block.
             total = req.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * self.block_size and total // self.block_size <= self._num_registered[rid]:
+            if total <= len(blocks) * self.block_size and (
+                not self.enable_caching or total // self.block_size <= self._num_registered[rid]
+            ):
                 return True
         hits = computed_blocks or []
         num_computed = req.num_computed_tokens + len(hits) * self.block_size
