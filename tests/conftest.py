@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# pytest-xdist runs one test process per core: one math thread each (inherited by the worker
+# subprocesses tests start), or OpenMP threads of the processes stall one another. Set before
+# torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Kernel modules must see this before triton is first imported (CPU has no GPU to run them).
 if os.environ.get("CONVEYOR_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
