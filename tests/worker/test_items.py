@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from sqlalchemy import func, select
 
 from worker.store.db import Item, ItemStatus, Job, JobStatus, Shard, make_sessionmaker
@@ -89,3 +92,15 @@ def test_summarize_job_sums_usage_and_latency_percentiles(db_engine) -> None:
         job = session.get(Job, "batch_1")
         assert (job.prompt_tokens, job.cached_tokens, job.completion_tokens) == (100, 40, 55)
         assert job.metrics == metrics
+
+
+def test_latency_percentiles_are_exact_ranks_of_the_sorted_values(db_engine) -> None:
+    rng = random.Random(7)
+    ttfts = [round(rng.uniform(0.01, 5.0), 6) for _ in range(257)]
+    _make_job(db_engine)
+    record_finished_items(db_engine, [_item(f"i{k}", k, ttft=t) for k, t in enumerate(ttfts)] + [_item("no-ttft", 999)])
+    got = summarize_job(db_engine, "batch_1")["ttft"]
+    ordered = sorted(ttfts)
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        assert got[name] == pytest.approx(ordered[round(q * 256)])
+    assert got["max"] == pytest.approx(ordered[-1]) and got["mean"] == pytest.approx(sum(ttfts) / len(ttfts))

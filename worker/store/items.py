@@ -115,16 +115,24 @@ def refresh_job_counts(engine: Engine, job_id: str) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def _percentiles(values: list[float]) -> dict[str, float] | None:
-    if not values:
+_TIMINGS = {"queue_time": Item.queue_time, "ttft": Item.ttft, "tpot": Item.tpot, "e2e": Item.e2e}
+_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+def _percentiles(conn: Connection, job_id: str, column: Any) -> dict[str, float] | None:
+    """mean/p50/p90/p99/max of one timing column, computed by the database (its sort, not
+    this process's memory, carries a job of millions of items). A quantile is the value at
+    rank ``round(q * (n - 1))`` of the sorted non-null values."""
+    present = (Item.job_id == job_id) & column.is_not(None)
+    n, mean, top = conn.execute(select(func.count(column), func.avg(column), func.max(column)).where(present)).one()
+    if not n:
         return None
-    values.sort()
-    last = len(values) - 1
-
-    def at(q: float) -> float:
-        return values[min(last, round(q * last))]
-
-    return {"mean": sum(values) / len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": values[-1]}
+    out = {"mean": float(mean)}
+    for name, q in _QUANTILES.items():
+        rank = min(n - 1, round(q * (n - 1)))
+        out[name] = float(conn.execute(select(column).where(present).order_by(column).offset(rank).limit(1)).scalar_one())
+    out["max"] = float(top)
+    return out
 
 
 def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
@@ -141,17 +149,9 @@ def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
         func.coalesce(func.sum(Item.preemptions), 0),
         func.count(),
     ).where(Item.job_id == job_id)
-    timings: dict[str, list[float]] = {"queue_time": [], "ttft": [], "tpot": [], "e2e": []}
     with engine.connect() as conn:
         prompt, cached, completion, preemptions, count = conn.execute(sums).one()
-        rows = conn.execution_options(yield_per=10_000).execute(
-            select(Item.queue_time, Item.ttft, Item.tpot, Item.e2e).where(Item.job_id == job_id)
-        )
-        for row in rows:
-            for name, value in zip(timings, row, strict=True):
-                if value is not None:
-                    timings[name].append(value)
-    metrics: dict[str, Any] = {name: _percentiles(values) for name, values in timings.items()}
+        metrics: dict[str, Any] = {name: _percentiles(conn, job_id, col) for name, col in _TIMINGS.items()}
     metrics["preemptions"] = int(preemptions)
     metrics["items"] = int(count)
     with engine.begin() as conn:
