@@ -41,8 +41,10 @@ def engine_prompt(req: ParsedRequest) -> Any:
 
 
 def sampling_params(req: ParsedRequest) -> SamplingParams:
-    """``SamplingParams`` of a request (``ValueError`` naming the field if the engine refuses)."""
-    return SamplingParams(**req.sampling)
+    """``SamplingParams`` of a request (``ValueError`` naming the field if the engine refuses).
+    Final-only: the engine host keeps only finished outputs, so the engine need not build
+    one per step."""
+    return SamplingParams(**{**req.sampling, "stream": False})
 
 
 def error_record(
