@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     args = ap.parse_args(argv)
 
     model = args.model
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{path} has no prompts")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(model, device=args.device)
+        llm = LLM(model, device=args.device, attention_backend=args.attention_backend)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""``conveyor``: run | submit | worker | status | results | cancel | db upgrade.
+"""``conveyor``: run | submit | worker | status | results | cancel | db upgrade | bench.
 
 User errors (a missing file, a bad setting, an unknown job, a service that cannot be
 reached) print one line, ``conveyor: error: ...``, and exit 1; URLs are shown redacted.
@@ -195,6 +195,23 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from worker.bench import TokenRange, format_result, run_bench
+
+    settings = load_settings()
+    result = run_bench(
+        args.model,
+        requests=args.requests,
+        prompt_tokens=TokenRange.parse(args.prompt_tokens, "--prompt-tokens"),
+        output_tokens=TokenRange.parse(args.output_tokens, "--output-tokens"),
+        shared_prefix=args.shared_prefix,
+        seed=args.seed,
+        engine_args=settings.engine_args,
+    )
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_result(result))
+    return 0
+
+
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from worker.store.schema import upgrade_database
 
@@ -265,6 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job")
     cancel.add_argument("--json", action="store_true")
     cancel.set_defaults(fn=cmd_cancel)
+
+    bench = sub.add_parser("bench", help="measure the engine on this machine with a synthetic batch workload")
+    bench.add_argument("--model", required=True, help="local checkpoint directory or hub id")
+    bench.add_argument("--requests", type=int, default=256)
+    bench.add_argument("--prompt-tokens", default="64-512", help="N or LOW-HIGH (default 64-512)")
+    bench.add_argument("--output-tokens", default="10-500", help="N or LOW-HIGH, EOS ignored (default 10-500)")
+    bench.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix every prompt shares")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(fn=cmd_bench)
 
     db = sub.add_parser("db", help="database schema")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")

@@ -121,3 +121,25 @@ def test_db_upgrade_then_worker_refuses_an_outdated_schema(pg_admin_user, tmp_pa
     finally:
         with psycopg.connect(host=PG_HOST, port=PG_PORT, user=pg_admin_user, dbname=PG_DB, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_bench_measures_a_synthetic_workload(tiny_model, capsys) -> None:
+    args = ["bench", "--model", tiny_model, "--requests", "6", "--prompt-tokens", "8-20",
+            "--output-tokens", "3-5", "--shared-prefix", "32", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["requests"] == 6 and 18 <= result["output_tokens"] <= 30
+    assert result["prompt_tokens"] >= 6 * (32 + 8) and result["cached_prompt_tokens"] >= 5 * 32
+    assert result["output_tokens_per_s"] > 0 and result["ttft_p50"] > 0 and result["engine"]["device"] == "cpu"
+    assert main(["bench", "--model", tiny_model, "--requests", "2", "--output-tokens", "2"]) == 0
+    assert "output tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--output-tokens", "5-2"], "--output-tokens must satisfy"),
+    (["--prompt-tokens", "x"], "--prompt-tokens must be N or LOW-HIGH"),
+    (["--requests", "0"], "requests must be from 1"),
+])
+def test_bench_rejects_bad_ranges_with_one_line(tiny_model, capsys, bad, message) -> None:
+    assert main(["bench", "--model", tiny_model, *bad]) == 1
+    assert message in capsys.readouterr().err
