@@ -22,6 +22,7 @@ import csv
 import enum
 import hashlib
 import json
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -65,6 +66,7 @@ _SKIP_CHUNK = 64 * 1024
 class InputFormat(str, enum.Enum):
     jsonl = "jsonl"  # OpenAI Batch lines and plain prompt lines, told apart per line
     csv = "csv"
+    parquet = "parquet"  # a prompt (or messages) column; rows numbered from 1 like lines
 
 
 class InputError(ValueError):
@@ -121,8 +123,14 @@ class LineError:
 
 
 def detect_format(filename: str) -> InputFormat:
-    """CSV for a ``*.csv`` file name, else JSONL (OpenAI Batch or plain, told apart per line)."""
-    return InputFormat.csv if filename.lower().endswith(".csv") else InputFormat.jsonl
+    """CSV for ``*.csv``, Parquet for ``*.parquet``/``*.pq``, else JSONL (OpenAI Batch or
+    plain, told apart per line)."""
+    name = filename.lower()
+    if name.endswith(".csv"):
+        return InputFormat.csv
+    if name.endswith((".parquet", ".pq")):
+        return InputFormat.parquet
+    return InputFormat.jsonl
 
 
 # ---- reading lines under limits ---------------------------------------------------------
@@ -397,14 +405,61 @@ def _iter_csv(stream: BinaryIO, limits: InputLimits) -> Iterator[ParsedRequest |
             yield _error(line, exc, _guess_custom_id(obj))
 
 
+_PARQUET_SPOOL_BYTES = 64 * 1024 * 1024  # larger inputs spill to a temporary file
+_PARQUET_BATCH_ROWS = 1024
+
+
+def _iter_parquet(stream: BinaryIO, limits: InputLimits) -> Iterator[ParsedRequest | LineError]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError("Parquet input needs pyarrow: pip install 'conveyor[parquet]'") from None
+    # Parquet keeps its schema at the end of the file: spool the stream (bounded memory)
+    # to read it with random access, batch by batch.
+    with tempfile.SpooledTemporaryFile(max_size=_PARQUET_SPOOL_BYTES) as spool:
+        total = 0
+        while chunk := stream.read(1 << 20):
+            total += len(chunk)
+            if total > limits.max_input_bytes:
+                raise InputTooLarge(f"input is larger than {limits.max_input_bytes} bytes (CONVEYOR_MAX_INPUT_BYTES)")
+            spool.write(chunk)
+        spool.seek(0)
+        try:
+            parquet = pq.ParquetFile(spool)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise InputError(f"cannot read the Parquet file: {exc}") from None
+        columns = [name.lower() for name in parquet.schema_arrow.names]
+        if "prompt" not in columns and "messages" not in columns:
+            raise InputError(f"the Parquet file has no 'prompt' or 'messages' column (columns: {', '.join(columns)})")
+        row = 0
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for record in batch.to_pylist():
+                row += 1
+                if row > limits.max_lines:
+                    raise InputTooLarge(f"input has more than {limits.max_lines} rows (CONVEYOR_MAX_LINES_PER_JOB)")
+                obj = {k.lower(): v for k, v in record.items() if v is not None}
+                size = len(json.dumps(obj, default=str).encode())
+                if size > limits.max_line_bytes:
+                    yield LineError(
+                        row, "line_too_long", f"row is {size} bytes, more than {limits.max_line_bytes} (CONVEYOR_MAX_LINE_BYTES)"
+                    )
+                    continue
+                try:
+                    yield _request_from_object(obj, row, limits)
+                except InvalidRequest as exc:
+                    yield _error(row, exc, _guess_custom_id(obj))
+
+
 def iter_input(
     stream: BinaryIO, limits: InputLimits, fmt: InputFormat | str = InputFormat.jsonl
 ) -> Iterator[ParsedRequest | LineError]:
-    """Parse ``stream`` lazily: a ``ParsedRequest`` or ``LineError`` per non-blank line.
+    """Parse ``stream`` lazily: a ``ParsedRequest`` or ``LineError`` per non-blank line
+    (per row for Parquet).
 
     Raises ``InputError``/``InputTooLarge`` for whole-file problems (during iteration).
     """
-    rows = _iter_csv(stream, limits) if InputFormat(fmt) is InputFormat.csv else _iter_jsonl(stream, limits)
+    readers = {InputFormat.csv: _iter_csv, InputFormat.parquet: _iter_parquet}
+    rows = readers.get(InputFormat(fmt), _iter_jsonl)(stream, limits)
     ids = _Ids()
     for item in rows:
         # Rejected lines claim their custom_id too: a later line reusing it is a duplicate.

@@ -43,7 +43,7 @@ def job_prefix(job_id: str) -> str:
 
 
 def input_key(input_format: str) -> str:
-    return "input.csv" if input_format == "csv" else "input.jsonl"
+    return {"csv": "input.csv", "parquet": "input.parquet"}.get(input_format, "input.jsonl")
 
 
 def shard_input_key(shard_index: int) -> str:
