@@ -168,13 +168,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    with _client() as client:
-        job = client.status(args.job)
-    if args.json:
+def _show(job: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         _print_json(job)
     else:
         print(_summary(job))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client() as client:
+        job = client.status(args.job)
+    _show(job, args.json)
     return 0
 
 
@@ -188,10 +192,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client() as client:
         job = client.cancel(args.job)
-    if args.json:
-        _print_json(job)
-    else:
-        print(_summary(job))
+    _show(job, args.json)
     return 0
 
 
@@ -208,7 +209,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         engine_args=settings.engine_args,
     )
-    print(json.dumps(result.as_dict(), indent=2) if args.json else format_result(result))
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(format_result(result))
     return 0
 
 
