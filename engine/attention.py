@@ -77,7 +77,7 @@ class TorchAttention(AttentionBackend):
             self._prefills.append((b, start, q_len, seq_len))
             start += q_len
 
-    def _decode_plan(self, block_size: int) -> tuple[torch.Tensor | None, list]:
+    def _decode_plan(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, list]:
         """Built once per step: the block ids all decodes share (or None), and per bucket
         (first, end, block tables of the rest, additive padding mask)."""
         if self._buckets is None:
@@ -106,7 +106,7 @@ class TorchAttention(AttentionBackend):
                 positions = torch.arange(num_blocks * block_size, device=tables.device)
                 own_lens = meta.seq_lens[first:end].long().unsqueeze(1) - offset
                 visible = positions.unsqueeze(0) < own_lens
-                mask = torch.zeros(visible.shape, device=tables.device).masked_fill_(~visible, float("-inf"))
+                mask = torch.zeros(visible.shape, dtype=dtype, device=tables.device).masked_fill_(~visible, float("-inf"))
                 self._buckets.append((first, end, bucket_tables, mask))
                 first = end
         return self._shared, self._buckets
@@ -142,7 +142,7 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, scale, out, group) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        shared, buckets = self._decode_plan(k_cache.shape[1])
+        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype)
         nd = self.meta.num_decodes
         queries = q[:nd].view(nd, num_kv_heads, group, head_dim)
         prefix = _shared_prefix_partials(queries, k_cache, v_cache, shared, scale) if shared is not None else None
