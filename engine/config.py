@@ -39,7 +39,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    # CUDA graphs for decode batches (GPU, triton backend): off with enforce_eager; batches
+    # of up to this many decodes are captured, larger ones run eagerly.
     enforce_eager: bool = False
+    cuda_graph_max_batch_size: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -52,7 +55,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

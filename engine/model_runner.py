@@ -1,7 +1,8 @@
 """Owns the weights and the KV tensors; turns a scheduled batch into flat tensors and runs it.
 
 The batch is flat and unpadded: the tokens of all scheduled requests back to back, requests
-with a single query token (decodes) first, then prefill chunks.
+with a single query token (decodes) first, then prefill chunks. On CUDA, a batch of decodes
+only replays a captured CUDA graph instead (``engine.cuda_graphs``; off with ``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata, create_backend
 from engine.config import EngineConfig, available_kv_bytes, kv_block_bytes
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import ModelSpec, load_model
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
@@ -48,6 +50,9 @@ class ModelRunner:
             "model on %s (%s), attention=%s, %d KV blocks of %d tokens",
             self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size,
         )
+        self.graphs: DecodeGraphs | None = None
+        if self._use_cuda_graphs():
+            self.capture_decode_graphs()
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -71,6 +76,26 @@ class ModelRunner:
         return int(num_blocks)
 
     # ---------------------------------------------------------------------------------
+    def capture_decode_graphs(self, graph_factory=None) -> None:
+        """Capture the decode batches as CUDA graphs (``graph_factory``: tests replace the
+        CUDA graph with one that replays by calling, to run this path on CPU)."""
+        max_batch = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch_size)
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches,
+            max_batch_size=max_batch, max_seq_len=self.max_model_len, block_size=self.block_size,
+            hidden_size=self.spec.hidden_size, dtype=self.dtype, device=self.device,
+            graph_factory=graph_factory,
+        )
+        self.graphs.capture()
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.backend.name != "triton":
+            log.info("CUDA graphs need the triton attention backend; decode runs eagerly")
+            return False
+        return True
+
     def execute(self, sched: SchedulerOutput, block_ids_of) -> StepResult:
         # Decodes first, by context length (the torch backend buckets them by it), then prefills.
         order = sorted(
@@ -86,8 +111,6 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         tables = [block_ids_of(r) for r in reqs]
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -108,9 +131,28 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(end - 1)
                 sampled.append(req)
-        query_start = np.zeros(len(reqs) + 1, dtype=np.int32)
-        np.cumsum(counts, out=query_start[1:])
 
+        bucket = None
+        if self.graphs is not None and num_decodes == len(reqs):
+            bucket = self.graphs.bucket_for(len(reqs), max(len(t) for t in tables))
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens, tables)
+        else:
+            hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, num_decodes)
+        if not sampled:
+            return StepResult([], None)
+        if len(sample_rows) == len(input_ids):  # every row (always so for decodes)
+            rows = hidden
+        else:
+            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(rows)
+        return StepResult(sampled, self.sampler(logits, sampled))
+
+    def _forward_eager(self, input_ids, positions, slots, seq_lens, counts, tables, num_decodes) -> torch.Tensor:
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
+        query_start = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -126,8 +168,4 @@ class ModelRunner:
         self.backend.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos_t, self.backend, self.kv_caches)
-        if not sampled:
-            return StepResult([], None)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return StepResult(sampled, self.sampler(logits, sampled))
+        return self.model(ids, pos_t, self.backend, self.kv_caches)

@@ -110,3 +110,13 @@ class TritonAttention(AttentionBackend):
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             scale, meta.max_query_len, meta.max_seq_len, num_kv_splits=self.num_kv_splits,
         )
+
+    def decode_kv_splits(self, num_seqs: int, num_q_heads: int, k_cache: torch.Tensor, max_seq_len: int) -> int:
+        """Key splits for a decode batch of ``num_seqs`` with contexts up to ``max_seq_len``
+        (what a graph runner pins in ``num_kv_splits`` for a captured batch size)."""
+        if self._ops is None:
+            self._ops = load_kernels(k_cache.device)
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        return self._ops.decode_num_kv_splits(
+            num_seqs, num_q_heads, num_kv_heads, head_dim, k_cache.dtype, max_seq_len, k_cache.device
+        )

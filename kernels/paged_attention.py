@@ -243,6 +243,19 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_q_blocks: int,
     return splits if splits >= 2 else 1
 
 
+def decode_num_kv_splits(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype, max_seq_len: int, device: torch.device) -> int:
+    """The key splits ``paged_attention`` would choose for a batch of ``num_seqs`` decodes
+    (one query each) with contexts up to ``max_seq_len``. A CUDA graph captures the split
+    count with the kernel, so a graph runner pins this, computed for its worst case."""
+    g_pad = next_pow2(num_q_heads // num_kv_heads)
+    head_dim_pad = max(16, next_pow2(head_dim))
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    _, tile_n, _, _ = _pick_tiles(1, g_pad, head_dim_pad, elem_size)
+    return choose_num_kv_splits(num_seqs, num_kv_heads, 1, max_seq_len, tile_n,
+                                device_num_sms(torch.device(device)))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -8,7 +8,8 @@ interpreter: set ``TRITON_INTERPRET=1`` in the environment *before* this import.
 
 from .fused_ops import rms_norm, silu_and_mul
 from .kv_cache_write import write_kv_cache
-from .paged_attention import choose_num_kv_splits, paged_attention
+from .paged_attention import choose_num_kv_splits, decode_num_kv_splits, paged_attention
 
-__all__ = ["write_kv_cache", "paged_attention", "choose_num_kv_splits", "rms_norm",
+__all__ = ["write_kv_cache", "paged_attention", "choose_num_kv_splits",
+           "decode_num_kv_splits", "rms_norm",
            "silu_and_mul"]

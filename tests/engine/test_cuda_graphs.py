@@ -1,0 +1,188 @@
+"""CUDA graphs for decode batches.
+
+On CPU there is no CUDA graph, but everything around it is ours and runs here: the buckets,
+the static buffers, the padding rows, the pinned split count, the choice between graph and
+eager per step. ``CallingGraph`` stands in for ``torch.cuda.CUDAGraph``: it runs the captured
+forward at capture (as the real capture does) and calls it again on each replay, over the
+same static buffers, through the Triton kernels in the interpreter. On a GPU
+(``CONVEYOR_TEST_GPU=1``) the last tests capture real graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import SamplingParams
+from engine.cuda_graphs import graph_batch_sizes
+from tests.engine.reference import assert_greedy_match
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ON_GPU = torch.cuda.is_available() and not INTERPRET
+
+PROMPTS = [
+    "The chef will bring",
+    "Seven guests wait at the table and the waiter pours cold water while the kitchen",
+    "Tea",
+    "queue worker engine cache block page prompt model output shard job one two three four five six",
+    "A",
+    "Late guests ask the waiter about the menu, the bill, the tip and the sweet cake.",
+]
+MAX_TOKENS = [9, 4, 12, 6, 10, 1]  # after the prefill: 5, 4, 3, 2, then 1 decodes a step
+
+
+class CallingGraph:
+    """A graph that replays by calling the captured function again."""
+
+    captures = 0
+
+    def capture(self, fn) -> None:
+        self.fn = fn
+        CallingGraph.captures += 1
+        fn()
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@pytest.fixture
+def model(tiny_models):
+    return tiny_models("llama")
+
+
+def _greedy(max_tokens, **kwargs):
+    return [SamplingParams(max_tokens=m, temperature=0.0, **kwargs) for m in max_tokens]
+
+
+def _graph_llm(make_llm, model, **kwargs):
+    llm = make_llm(model, attention_backend="triton", **kwargs)
+    runner = llm.engine.runner
+    assert runner.graphs is None  # never on CPU by itself
+    runner.kv_cache.fill_(float("nan"))  # every read must be of a slot written before
+    runner.capture_decode_graphs(graph_factory=CallingGraph)
+    # Warm-up and capture run the forward on padding rows only: they wrote nothing.
+    assert runner.kv_cache.isnan().all()
+    return llm
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert all(b % 8 == 0 for b in sizes[3:])
+
+
+@needs_triton
+def test_decode_graphs_match_transformers(model, hf_reference, make_llm):
+    llm = _graph_llm(make_llm, model, max_num_seqs=8)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4, 8] and set(graphs.graphs) == {1, 2, 4, 8}
+    steps, run = [], graphs.run
+    graphs.run = lambda bs, ids, *a: steps.append((bs, len(ids))) or run(bs, ids, *a)
+
+    hf = hf_reference(model)
+    outs = llm.generate(PROMPTS, _greedy(MAX_TOKENS))
+    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs):
+        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), m), label=repr(prompt))
+    # Every step after the prefill decodes only, and replayed the smallest bucket that
+    # holds it, padded where the batch is smaller: (bucket, decodes).
+    assert sorted(set(steps), reverse=True) == [(8, 5), (4, 4), (4, 3), (2, 2), (1, 1)]
+    assert len(steps) == max(MAX_TOKENS) - 1 == sum(graphs.replays.values())
+
+
+@needs_triton
+def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm):
+    """Requests arriving while others decode: prefill steps run eagerly, decode-only steps
+    replay graphs; a batch above the largest bucket runs eagerly; outputs stay exact."""
+    llm = _graph_llm(make_llm, model, max_num_seqs=8, cuda_graph_max_batch_size=4)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4]
+    engine = llm.engine
+    params = _greedy([14, 10, 12, 8, 6, 9])
+    runner = llm.engine.runner
+    eager_steps, forward_eager = [], runner._forward_eager
+    runner._forward_eager = lambda *a: eager_steps.append((a[-1], len(a[0]))) or forward_eager(*a)
+    arrivals = {3: 2, 6: 3, 7: 4, 9: 5}  # step -> request index: joins mid-flight
+    for i in range(2):
+        engine.add_request(f"r{i}", PROMPTS[i], params[i])
+    outputs, step = {}, 0
+    while engine.has_unfinished_requests():
+        if step in arrivals:
+            engine.add_request(f"r{arrivals[step]}", PROMPTS[arrivals[step]], params[arrivals[step]])
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        step += 1
+    hf = hf_reference(model)
+    for i, prompt in enumerate(PROMPTS):
+        out = outputs[f"r{i}"]
+        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), params[i].max_tokens), label=repr(prompt))
+    assert graphs.replays[4] > 0 and graphs.replays[2] > 0 and graphs.replays[1] > 0
+    # (decodes, tokens) of eager steps: prefills mixed with decodes, and decode-only
+    # batches above the largest bucket.
+    assert any(d < t and d > 0 for d, t in eager_steps)
+    assert any(d == t > 4 for d, t in eager_steps)
+
+
+@needs_triton
+def test_seeded_sampling_is_the_same_with_graphs(model, make_llm):
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=s) for s in range(4)]
+    eager = make_llm(model, attention_backend="triton").generate(PROMPTS[:4], params)
+    llm = _graph_llm(make_llm, model, max_num_seqs=4)
+    graphed = llm.generate(PROMPTS[:4], params)
+    assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records operators that cannot be captured in a CUDA graph: reading a device value on
+    the host (``.item()``, ``.tolist()``, data-dependent shapes) or baking a host value into
+    a new tensor (``torch.tensor(...)``), which a replay would never see change."""
+
+    FORBIDDEN = ("aten.item", "aten._local_scalar_dense", "aten.lift_fresh", "aten.nonzero", "aten.masked_select",
+                 "aten.unique", "aten._unique2", "aten.repeat_interleave.Tensor")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.FORBIDDEN):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_triton
+def test_the_captured_forward_never_syncs_with_the_host(model, make_llm):
+    llm = _graph_llm(make_llm, model, max_num_seqs=4)
+    graphs = llm.engine.runner.graphs
+    llm.generate(PROMPTS[:1], _greedy([2]))  # some real context in the cache
+    mode = _HostSyncs()
+    with mode:  # the interpreter's launches touch tensors without dispatch: still meaningful
+        graphs.graphs[4].fn()
+    assert mode.seen == []
+    # ...and the check sees a sync when there is one.
+    with mode:
+        int(torch.ones(2).sum())
+    assert mode.seen == ["aten._local_scalar_dense.default"]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (CONVEYOR_TEST_GPU=1)")
+@pytest.mark.parametrize("dtype", ["float32"])
+def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm, dtype):
+    llm = make_llm(model, device="cuda", dtype=dtype, max_num_seqs=8)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and set(graphs.graphs) == {1, 2, 4, 8}
+    hf = hf_reference(model)
+    outs = llm.generate(PROMPTS, _greedy(MAX_TOKENS))
+    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs):
+        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), m), label=repr(prompt))
+    assert sum(graphs.replays.values()) > 0
+    eager = make_llm(model, device="cuda", dtype=dtype, max_num_seqs=8, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert [o.token_ids for o in eager.generate(PROMPTS, _greedy(MAX_TOKENS))] == [o.token_ids for o in outs]
