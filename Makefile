@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup run run-engine test bench clean
+.PHONY: setup run run-engine test bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,17 @@ bench: setup
 	$(PY) -m benchmarks.bench_continuous_batching
 	$(PY) -m benchmarks.bench_kv_memory
 	$(PY) -m benchmarks.bench_prefix_cache
+
+# On a CUDA machine: compiled kernels (bf16 included), the triton backend and CUDA graphs
+# against transformers, then the GPU benchmarks. Where the packages are already installed
+# and nothing can be fetched (the lent H200): `make gpu-check GPU_PY=python3`.
+GPU_PY ?= $(PY)
+GPU_TESTS ?= tests/kernels tests/engine/test_triton_backend.py tests/engine/test_cuda_graphs.py \
+	tests/engine/test_bf16_logits.py
+gpu-check:
+	CONVEYOR_TEST_GPU=1 $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS)
+	$(GPU_PY) -m benchmarks.bench_attention
+	$(GPU_PY) -m benchmarks.bench_cuda_graphs
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

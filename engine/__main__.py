@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches (GPU)")
     args = ap.parse_args(argv)
 
     model = args.model
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{path} has no prompts")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(model, device=args.device, attention_backend=args.attention_backend)
+        llm = LLM(model, device=args.device, attention_backend=args.attention_backend,
+                  enforce_eager=args.enforce_eager)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
