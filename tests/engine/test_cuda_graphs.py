@@ -20,30 +20,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import SamplingParams
 from engine.cuda_graphs import graph_batch_sizes
 from tests.engine.reference import assert_greedy_match
+from tests.engine.test_triton_backend import PROMPTS  # six prompts of mixed lengths
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ON_GPU = torch.cuda.is_available() and not INTERPRET
 
-PROMPTS = [
-    "The chef will bring",
-    "Seven guests wait at the table and the waiter pours cold water while the kitchen",
-    "Tea",
-    "queue worker engine cache block page prompt model output shard job one two three four five six",
-    "A",
-    "Late guests ask the waiter about the menu, the bill, the tip and the sweet cake.",
-]
 MAX_TOKENS = [9, 4, 12, 6, 10, 1]  # after the prefill: 5, 4, 3, 2, then 1 decodes a step
 
 
 class CallingGraph:
     """A graph that replays by calling the captured function again."""
 
-    captures = 0
-
     def capture(self, fn) -> None:
         self.fn = fn
-        CallingGraph.captures += 1
         fn()
 
     def replay(self) -> None:
@@ -173,9 +163,8 @@ def test_the_captured_forward_never_syncs_with_the_host(model, make_llm):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (CONVEYOR_TEST_GPU=1)")
-@pytest.mark.parametrize("dtype", ["float32"])
-def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm, dtype):
-    llm = make_llm(model, device="cuda", dtype=dtype, max_num_seqs=8)
+def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm):
+    llm = make_llm(model, device="cuda", dtype="float32", max_num_seqs=8)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and set(graphs.graphs) == {1, 2, 4, 8}
     hf = hf_reference(model)
@@ -183,6 +172,6 @@ def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm, dtyp
     for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs):
         assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), m), label=repr(prompt))
     assert sum(graphs.replays.values()) > 0
-    eager = make_llm(model, device="cuda", dtype=dtype, max_num_seqs=8, enforce_eager=True)
+    eager = make_llm(model, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     assert [o.token_ids for o in eager.generate(PROMPTS, _greedy(MAX_TOKENS))] == [o.token_ids for o in outs]
