@@ -105,3 +105,36 @@ def test_cancel_aborts_in_flight_items_and_keeps_results(pg_redis_s3_stack, spaw
     assert "aborting" in worker.log()
     db.dispose()
     client.close()
+
+
+def test_lost_broker_messages_are_enqueued_again(pg_redis_s3_stack, spawn_worker) -> None:
+    """The broker lost a job's messages (purged here before any worker saw them; a Redis
+    without persistence that restarted, say): a worker's sweeper finds the queue empty and
+    the shards still pending a whole lease period after they were enqueued, and enqueues
+    them again. Nothing is lost and nothing is done twice."""
+    from worker.app import create_app, model_queue
+    from worker.service import queue_depth
+
+    stack = pg_redis_s3_stack
+    client = Client(stack.settings)
+    n = 8
+    job = client.submit(jsonl(openai_lines(n)), stack.model, shard_size=4)
+    app = create_app(stack.settings, stack.model)
+    queue = app.conf.task_default_queue
+    assert queue_depth(app, queue) == 2  # one message per shard
+    with app.connection_for_write() as conn:
+        assert model_queue(queue)(conn.default_channel).purge() == 2
+    assert queue_depth(app, queue) == 0
+
+    worker = spawn_worker(stack)
+    job = client.wait(job["id"], timeout=90, poll=0.2)
+    assert job["status"] == "completed" and job["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    ids = [r["custom_id"] for r in parse_lines(client.results(job["id"]))]
+    assert ids == [f"req-{i}" for i in range(n)]
+    assert "2 with lost messages" in worker.log()
+    db = create_db_engine(stack.settings.database)
+    with db.connect() as conn:
+        attempts = conn.execute(select(Shard.attempts).where(Shard.job_id == job["id"])).scalars().all()
+    assert attempts == [1, 1]  # each shard ran once, from its re-enqueued message
+    db.dispose()
+    client.close()
