@@ -214,6 +214,21 @@ def amqp_broker() -> Iterator[dict]:
                 channel = conn.channel()
 
 
+@pytest.fixture
+def sqs_broker(s3_endpoint: str) -> dict:
+    """Amazon SQS as moto's server answers it (the same server as S3; fake credentials).
+    Needs kombu's SQS transport: ``pip install 'celery[sqs]'`` (in the dev extra)."""
+    try:
+        import pycurl  # noqa: F401 - what kombu's SQS transport needs beyond boto3
+    except ImportError as exc:
+        service_down("kombu's SQS transport (pip install 'celery[sqs]')", str(exc))
+    host_port = s3_endpoint.removeprefix("http://")
+    return {
+        "broker_url": f"sqs://testing:testing@{host_port}",
+        "broker_transport_options": {"region": "us-east-1", "is_secure": False},
+    }
+
+
 # ---- tiny model, per-test stacks and worker subprocesses --------------------------------------
 
 
@@ -259,6 +274,11 @@ def pg_redis_s3_stack(tmp_path, tiny_model, pg_url, redis_broker, s3_bucket, aws
 @pytest.fixture
 def pg_amqp_s3_stack(tmp_path, tiny_model, pg_url, amqp_broker, s3_bucket, aws_env):
     return _service_stack(tmp_path, tiny_model, pg_url, amqp_broker, f"s3://{s3_bucket}/conveyor", _aws_env(aws_env))
+
+
+@pytest.fixture
+def pg_sqs_s3_stack(tmp_path, tiny_model, pg_url, sqs_broker, s3_bucket, aws_env):
+    return _service_stack(tmp_path, tiny_model, pg_url, sqs_broker, f"s3://{s3_bucket}/conveyor", _aws_env(aws_env))
 
 
 @pytest.fixture

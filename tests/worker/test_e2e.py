@@ -102,6 +102,10 @@ def test_postgres_rabbitmq_s3(pg_amqp_s3_stack, spawn_worker) -> None:
     _run_on_stack(pg_amqp_s3_stack, spawn_worker)
 
 
+def test_postgres_sqs_s3(pg_sqs_s3_stack, spawn_worker) -> None:
+    _run_on_stack(pg_sqs_s3_stack, spawn_worker)
+
+
 def test_settings_travel_as_json_env(embedded_stack) -> None:
     env = embedded_stack.env()
     assert json.loads(env["CONVEYOR_ENGINE_ARGS"])["num_kv_blocks"] == 512
