@@ -79,8 +79,7 @@ def _sdpa_fn(q, k_dense, v_dense, scale, group):
 
 def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
                  copy_gbs, splits):
-    from kernels.triton_ops import choose_num_kv_splits, paged_attention
-    from kernels._utils import device_num_sms
+    from kernels.triton_ops import decode_num_kv_splits, paged_attention
 
     dev = torch.device(DEVICE)
     group = num_q_heads // num_kv_heads
@@ -98,8 +97,7 @@ def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size,
     scale = head_dim ** -0.5
     kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * k_cache.element_size()
 
-    auto_splits = choose_num_kv_splits(batch, num_kv_heads, 1, ctx, 64,
-                                       device_num_sms(dev))
+    auto_splits = decode_num_kv_splits(batch, num_q_heads, num_kv_heads, head_dim, dtype, ctx, dev)
     row = dict(batch=batch, context=ctx, kv_bytes=kv_bytes, auto_splits=auto_splits)
 
     def ours(ns):

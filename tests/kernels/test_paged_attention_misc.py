@@ -52,6 +52,27 @@ def test_auto_split_heuristic():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(1, 4, 64), (2, 8, 128), (8, 1, 64)])
+def test_decode_split_count_is_what_the_kernel_chooses(monkeypatch, dtype, num_kv_heads, group, head_dim):
+    """``decode_num_kv_splits`` (pinned by CUDA graphs) predicts the automatic choice for a
+    decode batch, whatever the dtype's tile shapes."""
+    import kernels.paged_attention as pa
+    from kernels.triton_ops import decode_num_kv_splits
+
+    chosen = []
+    choose = pa.choose_num_kv_splits
+    monkeypatch.setattr(pa, "choose_num_kv_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    for reqs in ([(60, 1)], [(60, 1), (130, 1)], [(5, 1)] * 4):
+        batch = make_batch(reqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                           dtype=dtype, seed=9)
+        _attn()(*batch.args())
+        predicted = decode_num_kv_splits(len(reqs), num_kv_heads * group, num_kv_heads, head_dim,
+                                         dtype, batch.max_seq_len, torch.device(DEVICE))
+        assert predicted == chosen[-1], (reqs, predicted, chosen[-1])
+    assert any(c > 1 for c in chosen) or num_kv_heads == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("group,head_dim,block_size", [(3, 80, 7), (2, 96, 3), (16, 32, 16)])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_non_power_of_two_shapes(dtype, group, head_dim, block_size, splits):
