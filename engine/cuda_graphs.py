@@ -174,18 +174,19 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        width: int,
     ) -> torch.Tensor:
-        """Replay bucket ``bs`` on a decode batch; the hidden states of its real rows."""
+        """Replay bucket ``bs`` on a decode batch (``width``: its longest block table); the
+        hidden states of its real rows."""
         n = len(input_ids)
         io = np.zeros((4, bs), dtype=np.int64)
         io[0, :n], io[1, :n], io[2, :n], io[3, :n] = input_ids, positions, slots, seq_lens
         io[2, n:] = -1
-        width = max(len(t) for t in tables)
         block_tables = np.zeros((n, width), dtype=np.int32)
         for row, table in zip(block_tables, tables):
             row[: len(table)] = table
         # Padded rows and columns past each table keep stale ids: nothing reads them.
-        self._io[:, :bs].copy_(torch.from_numpy(io), non_blocking=False)
+        self._io[:, :bs].copy_(torch.from_numpy(io))
         self._block_tables[:n, :width].copy_(torch.from_numpy(block_tables))
         self.graphs[bs].replay()
         self.replays[bs] += 1

@@ -132,13 +132,14 @@ class ModelRunner:
                 sample_rows.append(end - 1)
                 sampled.append(req)
 
+        max_blocks = max(len(t) for t in tables)
         bucket = None
         if self.graphs is not None and num_decodes == len(reqs):
-            bucket = self.graphs.bucket_for(len(reqs), max(len(t) for t in tables))
+            bucket = self.graphs.bucket_for(len(reqs), max_blocks)
         if bucket is not None:
-            hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens, tables)
+            hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens, tables, max_blocks)
         else:
-            hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, num_decodes)
+            hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, max_blocks, num_decodes)
         if not sampled:
             return StepResult([], None)
         if len(sample_rows) == len(input_ids):  # every row (always so for decodes)
@@ -148,8 +149,7 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         return StepResult(sampled, self.sampler(logits, sampled))
 
-    def _forward_eager(self, input_ids, positions, slots, seq_lens, counts, tables, num_decodes) -> torch.Tensor:
-        max_blocks = max(len(t) for t in tables)
+    def _forward_eager(self, input_ids, positions, slots, seq_lens, counts, tables, max_blocks, num_decodes) -> torch.Tensor:
         block_tables = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
         query_start = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])

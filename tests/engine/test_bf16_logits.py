@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine import SamplingParams
 from engine.sampler import SamplerOutput
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -73,8 +74,6 @@ def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, fam
         continuations[tuple(ids[0].tolist())] = out[0, ids.shape[1] :].tolist()
     teacher = TeacherSampler(continuations)
     llm.engine.runner.sampler = teacher
-    from engine import SamplingParams
-
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
 
     ours_err, hf_err, flips = [], [], 0

@@ -10,9 +10,6 @@ same static buffers, through the Triton kernels in the interpreter. On a GPU
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,10 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import SamplingParams
 from engine.cuda_graphs import graph_batch_sizes
 from tests.engine.reference import assert_greedy_match
-from tests.engine.test_triton_backend import PROMPTS  # six prompts of mixed lengths
+from tests.engine.test_triton_backend import INTERPRET, PROMPTS, needs_triton
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ON_GPU = torch.cuda.is_available() and not INTERPRET
 
 MAX_TOKENS = [9, 4, 12, 6, 10, 1]  # after the prefill: 5, 4, 3, 2, then 1 decodes a step
@@ -94,9 +89,8 @@ def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm):
     llm = _graph_llm(make_llm, model, max_num_seqs=8, cuda_graph_max_batch_size=4)
     graphs = llm.engine.runner.graphs
     assert graphs.sizes == [1, 2, 4]
-    engine = llm.engine
+    engine, runner = llm.engine, llm.engine.runner
     params = _greedy([14, 10, 12, 8, 6, 9])
-    runner = llm.engine.runner
     eager_steps, forward_eager = [], runner._forward_eager
     runner._forward_eager = lambda *a: eager_steps.append((a[-1], len(a[0]))) or forward_eager(*a)
     arrivals = {3: 2, 6: 3, 7: 4, 9: 5}  # step -> request index: joins mid-flight

@@ -34,6 +34,11 @@ def _this_shard(job_id: str, shard_index: int):
     return and_(Shard.job_id == job_id, Shard.shard_index == shard_index)
 
 
+def _held_by(job_id: str, shard_index: int, owner: str):
+    """This shard, running under ``owner``'s lease."""
+    return and_(_this_shard(job_id, shard_index), Shard.status == ShardStatus.running, Shard.lease_owner == owner)
+
+
 def acquire_lease(
     engine: Engine, job_id: str, shard_index: int, owner: str, ttl: float, *, at: float | None = None
 ) -> bool:
@@ -77,9 +82,7 @@ def heartbeat_lease(
     stmt = (
         update(Shard)
         .where(
-            _this_shard(job_id, shard_index),
-            Shard.status == ShardStatus.running,
-            Shard.lease_owner == owner,
+            _held_by(job_id, shard_index, owner),
         )
         .values(lease_expires_at=t + ttl, heartbeat_at=t)
         .execution_options(synchronize_session=False)
@@ -118,9 +121,7 @@ def release_lease(
     stmt = (
         update(Shard)
         .where(
-            _this_shard(job_id, shard_index),
-            Shard.status == ShardStatus.running,
-            Shard.lease_owner == owner,
+            _held_by(job_id, shard_index, owner),
         )
         .values(**values)
         .execution_options(synchronize_session=False)
