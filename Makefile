@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup run run-engine test bench gpu-check clean
+.PHONY: setup run run-engine lint test bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -33,7 +33,13 @@ run-engine: setup
 	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
 	$(PY) -m engine --model $(EXAMPLE_MODEL) --prompts examples/prompts.txt
 
-test: setup
+# Lint and type-check first (seconds), then the suite.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: setup

@@ -3,8 +3,8 @@
 Decode is memory-bandwidth bound, so the figure of merit is the achieved bandwidth
 (bytes of K/V read / kernel time) as a fraction of the device's measured copy bandwidth.
 
-    python benchmarks/bench_attention.py                       # batch 1/64/256 x context 512/2048
-    python benchmarks/bench_attention.py --batches 1 8 --contexts 4096 --dtype float16
+    python -m benchmarks.bench_attention                       # batch 1/64/256 x context 512/2048
+    python -m benchmarks.bench_attention --batches 1 8 --contexts 4096 --dtype float16
 
 Shape defaults: Llama-3-8B-like (32 query heads, 8 KV heads, head_dim 128), bf16, block 16.
 KV blocks are laid out in a random permutation (as a long-running paged cache would be).
@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS, gpu_tag
+from kernels.interpreter import kernel_device
+from kernels.utils import cdiv
+
 DEVICE = "cuda"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _bench(fn, warmup: int = 10, rep: int = 50) -> float:
@@ -57,52 +56,46 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
     ms = _bench(lambda: dst.copy_(src), warmup=3, rep=20)
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def _sdpa_fn(q, k_dense, v_dense, scale, group):
     """q [B, Hq, 1, D]; k/v_dense [B, Hkv, L, D]. GQA natively when torch supports it."""
-    import torch.nn.functional as F
-
     try:
-        F.scaled_dot_product_attention(q[:1], k_dense[:1], v_dense[:1], scale=scale,
-                                       enable_gqa=True)
-        return lambda: F.scaled_dot_product_attention(q, k_dense, v_dense, scale=scale,
-                                                      enable_gqa=True), "sdpa(gqa)"
+        F.scaled_dot_product_attention(q[:1], k_dense[:1], v_dense[:1], scale=scale, enable_gqa=True)
+        return lambda: F.scaled_dot_product_attention(q, k_dense, v_dense, scale=scale, enable_gqa=True), "sdpa(gqa)"
     except TypeError:  # torch < 2.5: expand the KV heads up front (outside the timing)
         k_rep = k_dense.repeat_interleave(group, dim=1)
         v_rep = v_dense.repeat_interleave(group, dim=1)
-        return lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, scale=scale), \
-            "sdpa(expanded)"
+        return lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, scale=scale), "sdpa(expanded)"
 
 
-def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                 copy_gbs, splits):
+def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, copy_gbs, splits):
+    # Imported here: it imports Triton, which is optional (main() says so when there is no GPU).
     from kernels.triton_ops import decode_num_kv_splits, paged_attention
 
     dev = torch.device(DEVICE)
     group = num_q_heads // num_kv_heads
-    blocks_per_seq = math.ceil(ctx / block_size)
+    blocks_per_seq = cdiv(ctx, block_size)
     num_blocks = batch * blocks_per_seq + 1
     gen = torch.Generator(device=dev).manual_seed(0)
-    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen,
-                          device=dev, dtype=dtype)
+    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen, device=dev, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(num_blocks - 1, device=dev, generator=gen) + 1
     block_tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
     q = torch.randn((batch, num_q_heads, head_dim), generator=gen, device=dev, dtype=dtype)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * k_cache.element_size()
 
     auto_splits = decode_num_kv_splits(batch, num_q_heads, num_kv_heads, head_dim, dtype, ctx, dev)
     row = dict(batch=batch, context=ctx, kv_bytes=kv_bytes, auto_splits=auto_splits)
 
     def ours(ns):
-        return lambda: paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens,
-                                       scale, 1, ctx, num_kv_splits=ns)
+        return lambda: paged_attention(
+            q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, ctx, num_kv_splits=ns
+        )
 
     variants = {"triton_auto": None, "triton_nosplit": 1}
     if splits:
@@ -129,19 +122,14 @@ def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size,
     row["gather_plus_sdpa"] = dict(ms=ms_g)
     ref = sdpa().squeeze(2).float()
     row["max_abs_diff_vs_sdpa"] = (out_ours.float() - ref).abs().max().item()
-    del k_cache, v_cache, k_dense, v_dense
-    torch.cuda.empty_cache()
     return row
 
 
 def sdpa_after_gather(gather, kind, q4, scale, group):
-    import torch.nn.functional as F
-
     k, v = gather()
     if kind == "sdpa(gqa)":
         return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
-    return F.scaled_dot_product_attention(q4, k.repeat_interleave(group, 1),
-                                          v.repeat_interleave(group, 1), scale=scale)
+    return F.scaled_dot_product_attention(q4, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=scale)
 
 
 def machine_info() -> dict:
@@ -149,10 +137,15 @@ def machine_info() -> dict:
 
     props = torch.cuda.get_device_properties(0)
     return dict(
-        gpu=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
-        gpu_mem_gib=round(props.total_memory / 2**30, 1), torch=torch.__version__,
-        triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-        host=platform.node(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        gpu=torch.cuda.get_device_name(0),
+        sms=props.multi_processor_count,
+        gpu_mem_gib=round(props.total_memory / 2**30, 1),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        host=platform.node(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
 
 
@@ -169,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default results/attention_<gpu>.json)")
     args = ap.parse_args(argv)
 
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if kernel_device() != "cuda":
         print("bench_attention: needs a CUDA GPU (and TRITON_INTERPRET unset); skipping.")
         return 0
 
@@ -178,34 +171,54 @@ def main(argv=None) -> int:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}")
     print(f"measured copy bandwidth: {copy_gbs:.0f} GB/s")
-    shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
-                 head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
+    shape = dict(
+        num_q_heads=args.num_q_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype=args.dtype,
+    )
     print(f"decode, {shape}")
     rows = []
-    hdr = (f"{'batch':>5} {'ctx':>5} {'splits':>6} | {'triton ms':>9} {'GB/s':>6} {'%copy':>6} | "
-           f"{'nosplit ms':>10} {'%copy':>6} | {'sdpa ms':>8} {'GB/s':>6} {'%copy':>6} | "
-           f"{'gather+sdpa ms':>14} | {'speedup':>7} {'maxdiff':>8}")
+    hdr = (
+        f"{'batch':>5} {'ctx':>5} {'splits':>6} | {'triton ms':>9} {'GB/s':>6} {'%copy':>6} | "
+        f"{'nosplit ms':>10} {'%copy':>6} | {'sdpa ms':>8} {'GB/s':>6} {'%copy':>6} | "
+        f"{'gather+sdpa ms':>14} | {'speedup':>7} {'maxdiff':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for ctx in args.contexts:
         for batch in args.batches:
-            r = bench_decode(batch, ctx, dtype=dtype, copy_gbs=copy_gbs, splits=args.splits,
-                             num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
-                             head_dim=args.head_dim, block_size=args.block_size)
+            r = bench_decode(
+                batch,
+                ctx,
+                dtype=dtype,
+                copy_gbs=copy_gbs,
+                splits=args.splits,
+                num_q_heads=args.num_q_heads,
+                num_kv_heads=args.num_kv_heads,
+                head_dim=args.head_dim,
+                block_size=args.block_size,
+            )
+            torch.cuda.empty_cache()  # the row's caches are gone: hand their memory back before the next
             rows.append(r)
             t, n, s = r["triton_auto"], r["triton_nosplit"], r["sdpa"]
-            print(f"{batch:>5} {ctx:>5} {r['auto_splits']:>6} | {t['ms']:>9.4f} {t['gbs']:>6.0f} "
-                  f"{100 * t['frac_copy_bw']:>5.1f}% | {n['ms']:>10.4f} "
-                  f"{100 * n['frac_copy_bw']:>5.1f}% | {s['ms']:>8.4f} {s['gbs']:>6.0f} "
-                  f"{100 * s['frac_copy_bw']:>5.1f}% | {r['gather_plus_sdpa']['ms']:>14.4f} | "
-                  f"{s['ms'] / t['ms']:>6.2f}x {r['max_abs_diff_vs_sdpa']:>8.2e}")
+            print(
+                f"{batch:>5} {ctx:>5} {r['auto_splits']:>6} | {t['ms']:>9.4f} {t['gbs']:>6.0f} "
+                f"{100 * t['frac_copy_bw']:>5.1f}% | {n['ms']:>10.4f} "
+                f"{100 * n['frac_copy_bw']:>5.1f}% | {s['ms']:>8.4f} {s['gbs']:>6.0f} "
+                f"{100 * s['frac_copy_bw']:>5.1f}% | {r['gather_plus_sdpa']['ms']:>14.4f} | "
+                f"{s['ms'] / t['ms']:>6.2f}x {r['max_abs_diff_vs_sdpa']:>8.2e}"
+            )
 
-    gpu_tag = re.sub(r"[^A-Za-z0-9]+", "_", info["gpu"]).strip("_").lower()
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"attention_{gpu_tag}.json"
+    out = Path(args.out) if args.out else RESULTS / f"attention_{gpu_tag()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(benchmark="decode_attention", machine=info,
-                                   copy_bandwidth_gbs=copy_gbs, shape=shape, rows=rows),
-                              indent=2))
+    out.write_text(
+        json.dumps(
+            dict(benchmark="decode_attention", machine=info, copy_bandwidth_gbs=copy_gbs, shape=shape, rows=rows),
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

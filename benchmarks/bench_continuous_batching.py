@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -53,8 +54,12 @@ def _no_eos_config(model, max_new_tokens: int):
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=model.generation_config.pad_token_id, bos_token_id=None,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.generation_config.pad_token_id,
+        bos_token_id=None,
     )
 
 
@@ -88,13 +93,21 @@ def run_hf_generate_batch(model, prompts, lengths) -> dict | None:
     return {"seconds": dt, "tokens": produced, "tokens_per_s": produced / dt}
 
 
-SIZES = {
-    "tiny": dict(name="conveyor-bench-llama-64", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 intermediate_size=128),
-    "small": dict(name="conveyor-bench-llama-128", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                  intermediate_size=384),
-    "medium": dict(name="conveyor-bench-llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                   intermediate_size=768),
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        name="conveyor-bench-llama-64", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ),
+    "small": dict(
+        name="conveyor-bench-llama-128",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+    ),
+    "medium": dict(
+        name="conveyor-bench-llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=768
+    ),
 }
 
 
@@ -121,7 +134,7 @@ def main() -> None:
     run_hf_static(hf, warm_p, warm_l)
 
     mixed_p, mixed_l = workload(n, 0, 10, hi, vocab)
-    res = {"workload_mixed": {"requests": n, "output_tokens": f"10-{hi}", "prompt_tokens": "8-64"}}
+    res: dict[str, Any] = {"workload_mixed": {"requests": n, "output_tokens": f"10-{hi}", "prompt_tokens": "8-64"}}
     res["engine_mixed"] = run_engine(llm, mixed_p, mixed_l)
     res["hf_static_mixed"] = run_hf_static(hf, mixed_p, mixed_l)
     uni_p, _ = workload(n, 1, 1, 1, vocab)
@@ -136,8 +149,12 @@ def main() -> None:
             res["engine_uniform"]["tokens_per_s"] / res["hf_generate_batch_uniform"]["tokens_per_s"]
         )
     res["engine_stats"] = vars(llm.engine.stats())
-    res["model"] = {"family": "llama", "hidden": hf.config.hidden_size, "layers": hf.config.num_hidden_layers,
-                    "params": sum(p.numel() for p in hf.parameters())}
+    res["model"] = {
+        "family": "llama",
+        "hidden": hf.config.hidden_size,
+        "layers": hf.config.num_hidden_layers,
+        "params": sum(p.numel() for p in hf.parameters()),
+    }
 
     print(f"\nmixed workload: {n} requests, outputs 10-{hi} tokens")
     print(f"  conveyor engine          {res['engine_mixed']['tokens_per_s']:9.0f} tok/s")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import time
 
 import torch
 
-from benchmarks.common import bench_model, write_results
+from benchmarks.common import bench_model, gpu_tag, write_results
 from engine import LLM, SamplingParams
+from kernels.utils import cdiv
 
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 128
@@ -55,13 +55,19 @@ def main() -> int:
         return 0
 
     model = bench_model(
-        f"conveyor-bench-graphs-{args.layers}", hidden_size=2048, num_layers=args.layers, num_heads=32,
-        num_kv_heads=8, intermediate_size=8192, max_position_embeddings=4096,
+        f"conveyor-bench-graphs-{args.layers}",
+        hidden_size=2048,
+        num_layers=args.layers,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        max_position_embeddings=4096,
     )
     max_batch = max(args.batches)
-    blocks = max_batch * -(-(PROMPT_TOKENS + OUTPUT_TOKENS) // 16) + 64
-    common = dict(dtype="bfloat16", max_num_seqs=max_batch, num_kv_blocks=blocks, max_model_len=2048,
-                  enable_prefix_caching=False)
+    blocks = max_batch * cdiv(PROMPT_TOKENS + OUTPUT_TOKENS, 16) + 64
+    common = dict(
+        dtype="bfloat16", max_num_seqs=max_batch, num_kv_blocks=blocks, max_model_len=2048, enable_prefix_caching=False
+    )
     engines = {
         "graphs": LLM(str(model), cuda_graph_max_batch_size=max_batch, **common),
         "eager": LLM(str(model), enforce_eager=True, **common),
@@ -76,16 +82,29 @@ def main() -> int:
         for r in range(args.repeats):
             for name, llm in engines.items():
                 best[name] = max(best[name], _run(llm, batch, seed=r))
-        rows.append({"batch": batch, "graphs_tok_s": best["graphs"], "eager_tok_s": best["eager"],
-                     "speedup": best["graphs"] / best["eager"]})
-        print(f"batch {batch:4d}: graphs {best['graphs']:10.0f} tok/s   eager {best['eager']:10.0f} tok/s   "
-              f"{best['graphs'] / best['eager']:5.2f}x")
+        rows.append(
+            {
+                "batch": batch,
+                "graphs_tok_s": best["graphs"],
+                "eager_tok_s": best["eager"],
+                "speedup": best["graphs"] / best["eager"],
+            }
+        )
+        print(
+            f"batch {batch:4d}: graphs {best['graphs']:10.0f} tok/s   eager {best['eager']:10.0f} tok/s   "
+            f"{best['graphs'] / best['eager']:5.2f}x"
+        )
 
     gpu = torch.cuda.get_device_name(0)
     write_results(
-        f"cuda_graphs_{re.sub(r'[^A-Za-z0-9]+', '_', gpu).strip('_').lower()}.json",
-        {"gpu": gpu, "model": {"hidden": 2048, "layers": args.layers, "heads": "32/8", "dtype": "bfloat16"},
-         "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rows": rows},
+        f"cuda_graphs_{gpu_tag()}.json",
+        {
+            "gpu": gpu,
+            "model": {"hidden": 2048, "layers": args.layers, "heads": "32/8", "dtype": "bfloat16"},
+            "prompt_tokens": PROMPT_TOKENS,
+            "output_tokens": OUTPUT_TOKENS,
+            "rows": rows,
+        },
     )
     return 0
 

@@ -23,7 +23,7 @@ import random
 import time
 
 from benchmarks.common import RESULTS, bench_model, write_results
-from engine import LLMEngine, EngineConfig, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def main() -> None:
@@ -37,12 +37,20 @@ def main() -> None:
     n = 40 if args.quick else args.requests
     kv_tokens = 8192 if args.quick else args.kv_tokens
 
-    path = bench_model("conveyor-bench-llama-small", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128)
-    engine = LLMEngine(EngineConfig(
-        str(path), dtype="float32", block_size=args.block_size, num_kv_blocks=kv_tokens // args.block_size,
-        max_num_seqs=1024, max_model_len=args.max_model_len, enable_prefix_caching=False,
-    ))
+    path = bench_model(
+        "conveyor-bench-llama-small", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            str(path),
+            dtype="float32",
+            block_size=args.block_size,
+            num_kv_blocks=kv_tokens // args.block_size,
+            max_num_seqs=1024,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+        )
+    )
     rng = random.Random(0)
     vocab = engine.vocab_size
     reserve_exact = {}
@@ -77,8 +85,14 @@ def main() -> None:
     mean_exact = sum(reserve_exact.values()) / n
     fit_exact = int(kv_tokens // mean_exact)
     res = {
-        "workload": {"requests": n, "prompt_tokens": "64-1024", "output_tokens": "10-500",
-                     "kv_cache_tokens": kv_tokens, "block_size": bs, "max_model_len": args.max_model_len},
+        "workload": {
+            "requests": n,
+            "prompt_tokens": "64-1024",
+            "output_tokens": "10-500",
+            "kv_cache_tokens": kv_tokens,
+            "block_size": bs,
+            "max_model_len": args.max_model_len,
+        },
         "waste_paged": waste("paged_alloc"),
         "waste_contiguous_max_len": waste("contig_max_alloc"),
         "waste_contiguous_exact_reservation": waste("contig_exact_alloc"),
@@ -97,8 +111,9 @@ def main() -> None:
     print(f"  contiguous, prompt+max_tokens        {res['waste_contiguous_exact_reservation']:7.2%}")
     print(f"concurrency in {kv_tokens} KV tokens:")
     print(f"  paged (ours), peak                   {peak_running:7d}")
-    print(f"  contiguous, max_model_len reserved   {fit_max:7d}   ratio {res['concurrency_ratio_vs_max_len']:.1f}x")
-    print(f"  contiguous, prompt+max_tokens (mean) {fit_exact:7d}   ratio {res['concurrency_ratio_vs_exact_reservation']:.1f}x")
+    ratio_max, ratio_exact = res["concurrency_ratio_vs_max_len"], res["concurrency_ratio_vs_exact_reservation"]
+    print(f"  contiguous, max_model_len reserved   {fit_max:7d}   ratio {ratio_max:.1f}x")
+    print(f"  contiguous, prompt+max_tokens (mean) {fit_exact:7d}   ratio {ratio_exact:.1f}x")
     write_results("kv_memory.json", res)
     _plot(trace, args.max_model_len, kv_tokens)
 

@@ -59,19 +59,27 @@ def main() -> None:
     on = run(path, prompts, caching=True, policy="fcfs")
     assert on.pop("token_ids") == off.pop("token_ids"), "prefix caching changed the outputs"
     res = {
-        "workload": {"requests": n, "system_prompt_tokens": system_len, "question_tokens": "10-30",
-                     "output_tokens": 16},
+        "workload": {
+            "requests": n,
+            "system_prompt_tokens": system_len,
+            "question_tokens": "10-30",
+            "output_tokens": 16,
+        },
         "off": off,
         "on": on,
         "prefill_tokens_saved": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
         "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"],
     }
     print(f"\n{n} requests sharing a {system_len}-token system prompt, 16 tokens out each:")
-    print(f"  prompt tokens computed: off {off['prompt_tokens_computed']:8d}  on {on['prompt_tokens_computed']:8d}"
-          f"   ({res['prefill_tokens_saved']:.1%} fewer)")
+    print(
+        f"  prompt tokens computed: off {off['prompt_tokens_computed']:8d}  on {on['prompt_tokens_computed']:8d}"
+        f"   ({res['prefill_tokens_saved']:.1%} fewer)"
+    )
     print(f"  wall time:              off {off['seconds']:8.2f}s on {on['seconds']:8.2f}s")
-    print(f"  throughput (tok/s):     off {off['tokens_per_s']:8.0f}  on {on['tokens_per_s']:8.0f}"
-          f"   ({res['throughput_ratio']:.1f}x)")
+    print(
+        f"  throughput (tok/s):     off {off['tokens_per_s']:8.0f}  on {on['tokens_per_s']:8.0f}"
+        f"   ({res['throughput_ratio']:.1f}x)"
+    )
     write_results("prefix_cache.json", res)
 
 

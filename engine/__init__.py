@@ -6,4 +6,4 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]

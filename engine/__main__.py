@@ -1,7 +1,7 @@
 """``python -m engine``: run the engine over a prompt file and print outputs and throughput.
 
-    python -m engine --example                       # a tiny local model, examples/prompts.txt
-    python -m engine --model Qwen/Qwen3-0.6B --prompts my_prompts.txt --max-tokens 128
+python -m engine --example                       # a tiny local model, examples/prompts.txt
+python -m engine --model Qwen/Qwen3-0.6B --prompts my_prompts.txt --max-tokens 128
 """
 
 from __future__ import annotations
@@ -38,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
             from engine.testing import build_tiny_model
 
             print(f"building a tiny random-weight model in {EXAMPLE_MODEL} ...", file=sys.stderr)
-            build_tiny_model(EXAMPLE_MODEL, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                             intermediate_size=384)
+            build_tiny_model(
+                EXAMPLE_MODEL,
+                "llama",
+                hidden_size=128,
+                num_layers=4,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=384,
+            )
         model = str(EXAMPLE_MODEL)
     path = args.prompts or EXAMPLE_PROMPTS
     prompts = [line for line in path.read_text().splitlines() if line.strip()]
@@ -47,15 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{path} has no prompts")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(model, device=args.device, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager)
+        llm = LLM(model, device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         shown = out.text if out.error is None else f"<error: {out.error}>"
         print(f"--- {prompt!r}\n{shown!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
     generated = sum(len(o.token_ids) for o in outs)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "prefix")
+from engine.scheduler import WAITING_QUEUES
+
+SCHEDULING_POLICIES = tuple(WAITING_QUEUES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = {
     "float32": torch.float32,
@@ -16,9 +18,13 @@ DTYPES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-# On CPU the KV cache takes this share of available RAM unless num_kv_blocks says otherwise.
+# On CPU, with no explicit budget, the KV cache holds as many bytes as the weights (see
+# ``cpu_default_kv_bytes``), and never more than this share of available RAM or this cap.
 CPU_KV_CACHE_RAM_FRACTION = 0.25
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
+# ... nor more than ``max_num_seqs`` sequences of this many tokens (prompt and output of a
+# typical batch request) would use.
+CPU_KV_TOKENS_PER_SEQ = 512
 
 
 @dataclass
@@ -36,6 +42,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
+    # The KV cache's memory, in bytes, on any device (instead of gpu_memory_utilization on
+    # CUDA, or the model-derived default on CPU); num_kv_blocks, when set, wins over both.
+    kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -63,6 +72,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and (
+            isinstance(self.kv_cache_memory_bytes, bool)
+            or not isinstance(self.kv_cache_memory_bytes, int)
+            or self.kv_cache_memory_bytes < 1
+        ):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -96,7 +111,7 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def available_kv_bytes(config: EngineConfig, device: torch.device, activation_bytes: int) -> int:
-    """Memory left for the KV cache once the weights are loaded.
+    """The most memory the KV cache may take once the weights are loaded.
 
     On CUDA: ``gpu_memory_utilization`` of the device, less what is already used (weights,
     the CUDA context, other processes) and less a reserve for one step's activations.
@@ -111,3 +126,17 @@ def available_kv_bytes(config: EngineConfig, device: torch.device, activation_by
     except (ValueError, OSError, AttributeError):
         avail = 4 << 30
     return min(int(avail * CPU_KV_CACHE_RAM_FRACTION), CPU_KV_CACHE_MAX_BYTES)
+
+
+def cpu_default_kv_bytes(config: EngineConfig, weight_bytes: int, token_bytes: int, max_model_len: int) -> int:
+    """The KV cache's size on CPU when nobody set one: as many bytes as the weights.
+
+    A CPU decode step is bound by the bytes it reads, weights plus the KV of every running
+    sequence; a cache as large as the weights at most doubles that, and more concurrency
+    than it holds buys little throughput on a CPU while costing memory. It still holds at
+    least one sequence of ``max_model_len`` tokens (any request fits), and no more than
+    ``max_num_seqs`` sequences of ``CPU_KV_TOKENS_PER_SEQ`` tokens could use.
+    """
+    one_full_sequence = max_model_len * token_bytes
+    useful = config.max_num_seqs * min(max_model_len, CPU_KV_TOKENS_PER_SEQ) * token_bytes
+    return max(one_full_sequence, min(weight_bytes, useful))

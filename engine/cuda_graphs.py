@@ -18,6 +18,7 @@ The logits and the sampler run outside the graph, on the real rows only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -27,7 +28,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.base import AttentionMetadata
+from engine.attention.triton_backend import TritonAttention
+from engine.models.llama import LlamaForCausalLM
+from kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,8 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        backend,
+        model: LlamaForCausalLM,
+        backend: TritonAttention,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         *,
         max_batch_size: int,
@@ -92,10 +96,10 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
         self.max_seq_len = max_seq_len
-        self.max_blocks = -(-max_seq_len // block_size)
+        self.max_blocks = cdiv(max_seq_len, block_size)
         if graph_factory is None:
             pool = torch.cuda.graph_pool_handle()
-            graph_factory = lambda: CudaGraph(pool)  # noqa: E731
+            graph_factory = functools.partial(CudaGraph, pool)
         self._graph_factory = graph_factory
         self.graphs: dict[int, Graph] = {}
         self.replays: Counter[int] = Counter()  # bucket -> steps replayed
@@ -125,7 +129,8 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         log.info(
             "captured CUDA graphs for decode batches of %s in %.1fs",
-            ", ".join(map(str, self.sizes)), time.perf_counter() - start,
+            ", ".join(map(str, self.sizes)),
+            time.perf_counter() - start,
         )
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:
@@ -183,7 +188,7 @@ class DecodeGraphs:
         io[0, :n], io[1, :n], io[2, :n], io[3, :n] = input_ids, positions, slots, seq_lens
         io[2, n:] = -1
         block_tables = np.zeros((n, width), dtype=np.int32)
-        for row, table in zip(block_tables, tables):
+        for row, table in zip(block_tables, tables, strict=True):
             row[: len(table)] = table
         # Padded rows and columns past each table keep stale ids: nothing reads them.
         self._io[:, :bs].copy_(torch.from_numpy(io))

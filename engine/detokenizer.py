@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 
 class IncrementalDetokenizer:
-    __slots__ = ("_backend", "_stream", "_tokenizer", "_ids", "_skip", "stops", "_hold", "text", "_emitted")
+    __slots__ = ("_emitted", "_hold", "_ids", "_skip", "_stream", "_tokenizer", "stops", "text")
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = None
+        # Fast tokenizers: their Rust tokenizer and a streaming decoder over it.
+        self._stream: tuple[Tokenizer, DecodeStream] | None = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._stream = (backend, DecodeStream(skip_special_tokens=skip_special_tokens))
         self._ids: list[int] = []
-        if self._backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
@@ -58,7 +60,8 @@ class IncrementalDetokenizer:
 
     def _step(self, token_id: int) -> str | None:
         if self._stream is not None:
-            return self._stream.step(self._backend, token_id)
+            backend, stream = self._stream
+            return stream.step(backend, token_id)
         # Slow tokenizers: decode the whole output and diff against what was already seen.
         self._ids.append(token_id)
         full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)

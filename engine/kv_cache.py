@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.request import Request
+from kernels.utils import cdiv
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -89,9 +90,7 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks, their reference counts, the free queue and the hash -> block map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
+    def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
@@ -108,7 +107,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                self._evict(block)
+                self._evict(block, block.block_hash)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -137,16 +136,11 @@ class BlockPool:
             self.cached[block_hash] = block
             block.block_hash = block_hash
 
-    def _evict(self, block: KVBlock) -> None:
-        if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
-            del self.cached[block.block_hash]  # type: ignore[arg-type]
+    def _evict(self, block: KVBlock, block_hash: bytes) -> None:
+        if self.cached.get(block_hash) is block:
+            del self.cached[block_hash]
         block.block_hash = None
         self.num_evictions += 1
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
 
 
 @dataclass
@@ -171,7 +165,7 @@ class KVCacheManager:
     stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
-        self.pool = BlockPool(self.num_blocks, self.enable_caching)
+        self.pool = BlockPool(self.num_blocks)
         self._root_hash = hashlib.sha256(b"conveyor-kv\0" + self.namespace.encode()).digest()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -246,7 +240,7 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         have = (len(blocks) if blocks else 0) + len(hits)
-        need = -(-total // self.block_size) - have
+        need = cdiv(total, self.block_size) - have
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         if need + revived + reserve_blocks > self.pool.num_free_blocks:
             return False
@@ -287,6 +281,3 @@ class KVCacheManager:
         self._num_registered.pop(req.request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()

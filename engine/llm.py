@@ -39,9 +39,7 @@ class LLM:
         """Outputs in input order. A prompt the engine rejects (too long, bad token ids...)
         gets an output with ``finish_reason='error'`` and the reason in ``error``; the others
         run. With ``n > 1`` a prompt contributes its ``n`` samples, consecutive, by ``index``."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -58,7 +56,7 @@ class LLM:
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         finished: dict[tuple[str, int], RequestOutput] = {}
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
                 engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
             except ValueError as exc:
@@ -78,7 +76,7 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [finished[(rid, index)] for rid, p in zip(ids, params) for index in range(p.n)]
+        return [finished[(rid, index)] for rid, p in zip(ids, params, strict=True) for index in range(p.n)]
 
 
 def _error_output(request_id: str, index: int, message: str) -> RequestOutput:

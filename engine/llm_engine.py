@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,15 +12,18 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from engine.attention.triton_backend import prepare_interpreter
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.models import ModelSpec, resolve_model_path
+from engine.models.loader import resolve_model_path
+from engine.models.model_config import ModelSpec
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.text_checks import check_text, check_texts
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.attention_backend == "triton" and config.resolve_device().type != "cuda" and "triton" not in sys.modules:
+        if config.attention_backend == "triton":
             # Triton chooses its CPU interpreter when first imported, and transformers imports
-            # it while the tokenizer loads below: choose now or the kernels cannot run here.
-            os.environ["TRITON_INTERPRET"] = "1"
+            # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
+            prepare_interpreter(config.resolve_device())
         model_path = resolve_model_path(config.model, config.revision)
         self.spec = ModelSpec.from_pretrained(model_path)
         tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
@@ -128,11 +129,11 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         ids, text = self.tokenize(prompt)
         if len(ids) >= self.max_request_tokens:
+            budget = "" if self.config.enable_chunked_prefill else ", max_num_batched_tokens without chunked prefill"
             raise ValueError(
                 f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
                 f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
-                f"tokens{'' if self.config.enable_chunked_prefill else ', max_num_batched_tokens without chunked prefill'}"
-                ") to leave room for one generated token"
+                f"tokens{budget}) to leave room for one generated token"
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
@@ -177,12 +178,13 @@ class LLMEngine:
             key = keys.pop()
             if key == "messages":
                 text = self._apply_chat_template(prompt["messages"])
-                return self._encode(text, add_special_tokens=False), text
+                return self._encode(text, "messages", add_special_tokens=False), text
             prompt = prompt[key]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self._encode(prompt, add_special_tokens=True), prompt
+            check_text(prompt, "prompt")
+            return self._encode(prompt, "prompt", add_special_tokens=True), prompt
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt_token_ids is empty")
@@ -192,10 +194,13 @@ class LLMEngine:
             return list(prompt), None
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # tokenizers raise several types; one request's problem, not the batch's
+            raise ValueError(f"the tokenizer cannot encode the {field}: {type(exc).__name__}: {exc}") from None
         if not ids:
-            raise ValueError("prompt encodes to no tokens")
+            raise ValueError(f"the {field} encodes to no tokens")
         return ids
 
     def _apply_chat_template(self, messages: Any) -> str:
@@ -209,12 +214,15 @@ class LLMEngine:
             content = m.get("content")
             if not isinstance(content, (str, list)) and content is not None:
                 raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+            check_texts(m, f"messages[{i}]")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - template errors come in many types
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # template errors come in many types
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        assert isinstance(text, str)  # tokenize=False: the rendered text
+        return text
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -229,9 +237,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
-
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
@@ -239,18 +244,18 @@ class LLMEngine:
             return outputs
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
         now = time.monotonic()
-        for req, n in zip(sched.requests, sched.num_new_tokens):
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self._prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
         if result.output is not None:
             lp = result.output.logprobs
-            for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids)):
+            for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids, strict=True)):
                 try:
                     out = self._advance(req, token, lp[i] if lp else None, now)
                     if out is not None:
                         outputs.append(out)
-                except Exception as exc:  # noqa: BLE001 - one request's failure must not sink the batch
+                except Exception as exc:  # one request's failure must not sink the batch
                     log.exception("request %s failed", req.parent_id)
                     req.status = RequestStatus.FINISHED_ERROR
                     req.error = f"{type(exc).__name__}: {exc}"
@@ -297,7 +302,9 @@ class LLMEngine:
         if req.detokenizer is not None:
             return req.detokenizer.text
         if req.final_text is None:
-            req.final_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            assert isinstance(text, str)  # one sequence in, one text out
+            req.final_text = text
         return req.final_text
 
     def _forget(self, req: Request) -> None:

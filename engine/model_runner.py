@@ -14,13 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, create_backend
-from engine.config import EngineConfig, available_kv_bytes, kv_block_bytes
+from engine.attention.base import AttentionMetadata
+from engine.attention.selector import create_backend
+from engine.attention.triton_backend import TritonAttention
+from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_block_bytes
 from engine.cuda_graphs import DecodeGraphs
-from engine.models import ModelSpec, load_model
+from engine.models.loader import load_model
+from engine.models.model_config import ModelSpec
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -47,31 +51,48 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         log.info(
-            "model on %s (%s), attention=%s, %d KV blocks of %d tokens",
-            self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size,
+            "model on %s (%s), attention=%s; KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)",
+            self.device,
+            self.dtype,
+            self.backend.name,
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.kv_budget_source,
         )
         self.graphs: DecodeGraphs | None = None
         if self._use_cuda_graphs():
             self.capture_decode_graphs()
 
     def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        spec = self.spec
+        config, spec = self.config, self.spec
+        if config.num_kv_blocks is not None:
+            self.kv_budget_source = "num_kv_blocks"
+            return config.num_kv_blocks
         per_block = kv_block_bytes(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.
-        tokens = self.config.max_num_batched_tokens
+        tokens = config.max_num_batched_tokens
         activation = tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * elem * 2
-        activation += self.config.max_num_seqs * spec.vocab_size * 4 * 3
-        budget = available_kv_bytes(self.config, self.device, activation)
+        activation += config.max_num_seqs * spec.vocab_size * 4 * 3
+        limit = available_kv_bytes(config, self.device, activation)
+        if config.kv_cache_memory_bytes is not None:
+            budget, self.kv_budget_source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif self.device.type == "cpu":
+            weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+            budget = min(limit, cpu_default_kv_bytes(config, weights, per_block // self.block_size, self.max_model_len))
+            self.kv_budget_source = "CPU default: the weights' size, set kv_cache_memory_bytes to change"
+        else:
+            budget, self.kv_budget_source = limit, f"gpu_memory_utilization={config.gpu_memory_utilization}"
         # More blocks than every sequence at full length could use is memory nobody needs.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        useful = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(
-                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
-                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB, one block is "
+                f"{per_block} bytes); raise kv_cache_memory_bytes or gpu_memory_utilization, or lower "
+                "max_num_batched_tokens"
             )
         return int(num_blocks)
 
@@ -79,11 +100,19 @@ class ModelRunner:
     def capture_decode_graphs(self, graph_factory=None) -> None:
         """Capture the decode batches as CUDA graphs (``graph_factory``: tests replace the
         CUDA graph with one that replays by calling, to run this path on CPU)."""
+        if not isinstance(self.backend, TritonAttention):
+            raise ValueError("CUDA graphs need the triton attention backend")
         max_batch = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch_size)
         self.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_caches,
-            max_batch_size=max_batch, max_seq_len=self.max_model_len, block_size=self.block_size,
-            hidden_size=self.spec.hidden_size, dtype=self.dtype, device=self.device,
+            self.model,
+            self.backend,
+            self.kv_caches,
+            max_batch_size=max_batch,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+            hidden_size=self.spec.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
             graph_factory=graph_factory,
         )
         self.graphs.capture()
@@ -91,7 +120,7 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
-        if self.backend.name != "triton":
+        if not isinstance(self.backend, TritonAttention):
             log.info("CUDA graphs need the triton attention backend; decode runs eagerly")
             return False
         return True
@@ -115,7 +144,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Request] = []
         end = 0
-        for req, n, table in zip(reqs, counts, tables):
+        for req, n, table in zip(reqs, counts, tables, strict=True):
             start = req.num_computed_tokens
             if n == 1:  # a decode: plain ints beat numpy for one token
                 input_ids.append(req.token_ids[start])
@@ -133,39 +162,32 @@ class ModelRunner:
                 sampled.append(req)
 
         max_blocks = max(len(t) for t in tables)
-        bucket = None
-        if self.graphs is not None and num_decodes == len(reqs):
-            bucket = self.graphs.bucket_for(len(reqs), max_blocks)
-        if bucket is not None:
-            hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens, tables, max_blocks)
+        graphs, bucket = self.graphs, None
+        if graphs is not None and num_decodes == len(reqs):
+            bucket = graphs.bucket_for(len(reqs), max_blocks)
+        if graphs is not None and bucket is not None:
+            hidden = graphs.run(bucket, input_ids, positions, slots, seq_lens, tables, max_blocks)
         else:
-            hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, max_blocks, num_decodes)
+            hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, num_decodes)
         if not sampled:
             return StepResult([], None)
-        if len(sample_rows) == len(input_ids):  # every row (always so for decodes)
-            rows = hidden
-        else:
-            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+        # Every row is sampled (always so for decodes), or only the last of each request.
+        rows = hidden if len(sample_rows) == len(input_ids) else hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(rows)
         return StepResult(sampled, self.sampler(logits, sampled))
 
-    def _forward_eager(self, input_ids, positions, slots, seq_lens, counts, tables, max_blocks, num_decodes) -> torch.Tensor:
-        block_tables = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
-        query_start = np.zeros(len(counts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=query_start[1:])
+    def _forward_eager(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        counts: list[int],
+        tables: list[list[int]],
+        num_decodes: int,
+    ) -> torch.Tensor:
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(counts),
-            max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            query_lens_host=counts,
-            seq_lens_host=seq_lens,
-        )
-        self.backend.prepare(meta)
+        self.backend.prepare(AttentionMetadata.from_host(slots, tables, counts, seq_lens, num_decodes, dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         return self.model(ids, pos_t, self.backend, self.kv_caches)

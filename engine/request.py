@@ -28,10 +28,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
 
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
@@ -45,11 +41,31 @@ class Request:
     """One sequence being generated. ``token_ids`` is prompt + output so far."""
 
     __slots__ = (
-        "request_id", "parent_id", "index", "prompt_token_ids", "params", "priority",
-        "token_ids", "output_token_ids", "num_prompt_tokens", "num_computed_tokens",
-        "num_cached_tokens", "max_total_tokens", "stop_ids", "status", "stop_reason",
-        "error", "metrics", "generator", "detokenizer", "logprobs", "block_hashes",
-        "arrival_seq", "prompt_text", "num_emitted_tokens", "final_text",
+        "arrival_seq",
+        "block_hashes",
+        "detokenizer",
+        "error",
+        "final_text",
+        "generator",
+        "index",
+        "logprobs",
+        "max_total_tokens",
+        "metrics",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_emitted_tokens",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "params",
+        "parent_id",
+        "priority",
+        "prompt_text",
+        "prompt_token_ids",
+        "request_id",
+        "status",
+        "stop_ids",
+        "stop_reason",
+        "token_ids",
     )
 
     def __init__(
@@ -108,10 +124,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -22,7 +22,6 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -34,10 +33,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, reqs)
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, reqs)
+        tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
         token_list = tokens.tolist()
         logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
         return SamplerOutput(token_list, logprobs)
@@ -92,7 +88,8 @@ class Sampler:
     def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> list[dict[int, float] | None]:
         k_max = max((r.params.logprobs or 0) for r in reqs)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_vals = top_ids = None
+        top_ids: list[list[int]] = []
+        top_vals: list[list[float]] = []
         if k_max:
             top = raw.topk(k_max, dim=-1)
             top_vals, top_ids = top.values.tolist(), top.indices.tolist()
@@ -104,8 +101,8 @@ class Sampler:
                 out.append(None)
                 continue
             entry = {token_list[i]: chosen[i]}
-            if k and top_ids is not None:
-                for t, v in zip(top_ids[i][:k], top_vals[i][:k]):
+            if k:
+                for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True):
                     entry.setdefault(t, v)
             out.append(entry)
         return out

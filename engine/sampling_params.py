@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.text_checks import check_text
+
 # Limits on user-supplied sizes and counts.
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -77,9 +79,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def top_k_active(self) -> bool:
@@ -95,9 +95,7 @@ def _check_int(name: str, value: object, low: int | None, high: int | None) -> N
         raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
-def _check_float(
-    name: str, value: object, low: float | None, high: float | None, *, low_open: bool = False
-) -> None:
+def _check_float(name: str, value: object, low: float | None, high: float | None, *, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
@@ -119,4 +117,5 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"a stop string is {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
+        check_text(s, "stop")
     return tuple(items)

@@ -119,6 +119,14 @@ class PrefixAwareWaitingQueue(WaitingQueue):
         self._q.extendleft(t[3] for t in reversed(scored))
 
 
+# The waiting queue of each scheduling policy (``EngineConfig.scheduling_policy``).
+WAITING_QUEUES: dict[str, type[WaitingQueue]] = {
+    "fcfs": WaitingQueue,
+    "priority": PriorityWaitingQueue,
+    "prefix": PrefixAwareWaitingQueue,
+}
+
+
 def _priority_key(req: Request) -> tuple[int, int]:
     return (req.priority, req.arrival_seq)
 
@@ -137,11 +145,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        if policy not in WAITING_QUEUES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {tuple(WAITING_QUEUES)}")
         self.policy = policy
-        self.waiting: WaitingQueue = {
-            "priority": PriorityWaitingQueue,
-            "prefix": PrefixAwareWaitingQueue,
-        }.get(policy, WaitingQueue)()
+        self.waiting = WAITING_QUEUES[policy]()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._watermark_blocks = max(1, int(kv.num_blocks * ADMISSION_WATERMARK))
@@ -184,8 +191,10 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
-        if isinstance(self.waiting, PrefixAwareWaitingQueue) and len(self.waiting) > 1 and (
-            len(self.running) < self.max_num_seqs and budget > 0
+        if (
+            isinstance(self.waiting, PrefixAwareWaitingQueue)
+            and len(self.waiting) > 1
+            and (len(self.running) < self.max_num_seqs and budget > 0)
         ):
             self.waiting.reorder(self.kv)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -21,14 +21,16 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_WORDS = (
-    "the a an of to in on at for with from by about kitchen table order guest waiter chef "
-    "soup bread wine salad fish rice cake tea coffee water menu bill tip seat door window "
-    "slow quick hot cold sweet bitter fresh warm tiny large early late always never often "
-    "cook serve bring pour taste wait leave arrive smile ask answer count share finish "
-    "token batch queue worker engine cache block page prompt model output shard job "
-    "one two three four five six seven eight nine ten hundred thousand"
-).split()
+_WORDS = [
+    *["the", "a", "an", "of", "to", "in", "on", "at", "for", "with", "from", "by", "about", "kitchen"],
+    *["table", "order", "guest", "waiter", "chef", "soup", "bread", "wine", "salad", "fish", "rice", "cake"],
+    *["tea", "coffee", "water", "menu", "bill", "tip", "seat", "door", "window", "slow", "quick", "hot"],
+    *["cold", "sweet", "bitter", "fresh", "warm", "tiny", "large", "early", "late", "always", "never"],
+    *["often", "cook", "serve", "bring", "pour", "taste", "wait", "leave", "arrive", "smile", "ask"],
+    *["answer", "count", "share", "finish", "token", "batch", "queue", "worker", "engine", "cache", "block"],
+    *["page", "prompt", "model", "output", "shard", "job", "one", "two", "three", "four", "five", "six"],
+    *["seven", "eight", "nine", "ten", "hundred", "thousand"],
+]
 
 
 def corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
@@ -143,7 +145,9 @@ def build_tiny_model(
     eos = [tokenizer.eos_token_id]
     if family in ("qwen2", "qwen3"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(path))
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(str(path))
     _normalise_config(path / "config.json", legacy_config)
     return path
 

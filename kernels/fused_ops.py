@@ -1,6 +1,6 @@
 """Triton kernels for the small memory-bound ops around attention: RMSNorm (optionally
-fused with the residual add) and SiLU-and-mul. Same signatures and numerics as
-``kernels.reference_extra``."""
+fused with the residual add) and SiLU-and-mul. Same signatures and numerics as their
+references in ``kernels.reference``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, next_pow2
+from .utils import cdiv, next_pow2
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    hidden, eps,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -35,31 +43,35 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``x [..., hidden]`` -> ``out`` or, with ``residual``, ``(out, x + residual)``."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,)
-    x2 = x.reshape(-1, hidden)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, hidden)
     rows = x2.shape[0]
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
-        r2 = residual.reshape(-1, hidden)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+        r2 = _rows(residual, hidden)
         res_out = torch.empty_like(out)
     else:
         r2 = res_out = out  # unused
     if rows:
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight.contiguous(), out, res_out,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x2,
+            r2,
+            weight.contiguous(),
+            out,
+            res_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            hidden,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
@@ -74,23 +86,31 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.conste
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [..., 2 * d]`` (gate then up) -> ``silu(gate) * up``, ``[..., d]``."""
     d = x.shape[-1] // 2
     assert x.shape[-1] == 2 * d
-    x2 = x.reshape(-1, 2 * d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, 2 * d)
     rows = x2.shape[0]
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows:
         block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(rows, cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block,
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            d,
+            BLOCK=block,
             num_warps=4 if block >= 512 else 2,
         )
     return out.view(*x.shape[:-1], d)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with a contiguous last dimension, as the kernels index it."""
+    rows = t.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()

@@ -11,16 +11,26 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from .utils import next_pow2
 
 
 @triton.jit
 def _write_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
-    stride_vcb, stride_vcs, stride_vch,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     block_size,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -38,16 +48,12 @@ def _write_kv_cache_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
 
-    k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                mask=mask)
-    v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                mask=mask)
+    k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = k_cache_ptr + blk * stride_cb + off * stride_cs
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs
-    tl.store(kc + offs_h[:, None] * stride_ch + offs_d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc + offs_h[:, None] * stride_ch + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -77,11 +83,21 @@ def write_kv_cache(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     block_size = k_cache.shape[1]
     _write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, device_num_sms, is_interpreting, next_pow2
+from .interpreter import is_interpreting
+from .utils import cdiv, device_num_sms, next_pow2
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
@@ -43,16 +44,32 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     scale_log2e,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_pt, stride_ph, stride_ps,
-    stride_lt, stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
     BLOCK_SIZE: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -90,7 +107,8 @@ def _paged_attn_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None] & d_mask[None, :], other=0.0,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
     )
     q = q.to(k_cache_ptr.dtype.element_ty)
 
@@ -118,12 +136,11 @@ def _paged_attn_kernel(
         v_addr = blk * stride_vb + koff * stride_vs + kv_head_v
         kt = tl.load(
             k_cache_ptr + k_addr[None, :] + offs_d[:, None],
-            mask=kmask[None, :] & d_mask[:, None], other=0.0,
+            mask=kmask[None, :] & d_mask[:, None],
+            other=0.0,
         )
-        if IEEE_DOT:  # fp32 inputs: full precision, not TF32
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
+        # fp32 inputs: full precision, not TF32 (IEEE_DOT is a constexpr: one branch is compiled)
+        s = tl.dot(q, kt, input_precision="ieee") if IEEE_DOT else tl.dot(q, kt)
         s = s * scale_log2e
         keep = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
         s = tl.where(keep, s, float("-inf"))
@@ -134,12 +151,10 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + v_addr[:, None] + offs_d[None, :],
-            mask=kmask[:, None] & d_mask[None, :], other=0.0,
+            mask=kmask[:, None] & d_mask[None, :],
+            other=0.0,
         )
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee") if IEEE_DOT else tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -149,26 +164,32 @@ def _paged_attn_kernel(
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=st_mask,
+            o.to(out_ptr.dtype.element_ty),
+            mask=st_mask,
         )
     else:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(
-            part_out_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph
-            + split * stride_ps + offs_d[None, :],
-            o, mask=st_mask,
+            part_out_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+            o,
+            mask=st_mask,
         )
-        tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + split, lse,
-                 mask=row_valid)
+        tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
     num_q_heads,
-    stride_pt, stride_ph, stride_ps,
-    stride_lt, stride_lh,
-    stride_ot, stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -185,21 +206,31 @@ def _reduce_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     hs_mask = h_mask[:, None] & s_mask[None, :]
-    lse = tl.load(part_lse_ptr + tok * stride_lt + offs_h[:, None] * stride_lh + offs_s[None, :],
-                  mask=hs_mask, other=float("-inf"))  # [BLOCK_H, SPLITS_PAD]
+    lse = tl.load(
+        part_lse_ptr + tok * stride_lt + offs_h[:, None] * stride_lh + offs_s[None, :],
+        mask=hs_mask,
+        other=float("-inf"),
+    )  # [BLOCK_H, SPLITS_PAD]
     m = tl.max(lse, 1)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp2(lse - m[:, None])
     o = tl.load(
-        part_out_ptr + tok * stride_pt + offs_h[:, None, None] * stride_ph
-        + offs_s[None, :, None] * stride_ps + offs_d[None, None, :],
-        mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0,
+        part_out_ptr
+        + tok * stride_pt
+        + offs_h[:, None, None] * stride_ph
+        + offs_s[None, :, None] * stride_ps
+        + offs_d[None, None, :],
+        mask=hs_mask[:, :, None] & d_mask[None, None, :],
+        other=0.0,
     )  # [BLOCK_H, SPLITS_PAD, HEAD_DIM_PAD]
     den = tl.sum(w, 1)
     num = tl.sum(w[:, :, None] * o, 1)
     out = num / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
 
 
 def _pick_tiles(max_query_len: int, g_pad: int, head_dim_pad: int, elem_size: int = 2):
@@ -229,8 +260,9 @@ def _pick_tiles(max_query_len: int, g_pad: int, head_dim_pad: int, elem_size: in
     return block_m, tile_n, 4, (3 if head_dim_pad <= 128 else 2)
 
 
-def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_q_blocks: int,
-                         max_seq_len: int, tile_n: int, num_sms: int) -> int:
+def choose_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, num_q_blocks: int, max_seq_len: int, tile_n: int, num_sms: int
+) -> int:
     """Flash-decoding heuristic: split the keys only when a decode-like batch (one query
     block per request) has too few (request, kv head) programs to fill the GPU."""
     if num_q_blocks != 1:
@@ -243,8 +275,15 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, num_q_blocks: int,
     return splits if splits >= 2 else 1
 
 
-def decode_num_kv_splits(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype, max_seq_len: int, device: torch.device) -> int:
+def decode_num_kv_splits(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    device: torch.device,
+) -> int:
     """The key splits ``paged_attention`` would choose for a batch of ``num_seqs`` decodes
     (one query each) with contexts up to ``max_seq_len``. A CUDA graph captures the split
     count with the kernel, so a graph runner pins this, computed for its worst case."""
@@ -252,8 +291,7 @@ def decode_num_kv_splits(num_seqs: int, num_q_heads: int, num_kv_heads: int, hea
     head_dim_pad = max(16, next_pow2(head_dim))
     elem_size = torch.empty((), dtype=dtype).element_size()
     _, tile_n, _, _ = _pick_tiles(1, g_pad, head_dim_pad, elem_size)
-    return choose_num_kv_splits(num_seqs, num_kv_heads, 1, max_seq_len, tile_n,
-                                device_num_sms(torch.device(device)))
+    return choose_num_kv_splits(num_seqs, num_kv_heads, 1, max_seq_len, tile_n, device_num_sms(torch.device(device)))
 
 
 def paged_attention(
@@ -280,7 +318,7 @@ def paged_attention(
     ``block_m`` / ``tile_n``: override the tile shapes (tests).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, head_dim_c = k_cache.shape
+    _, block_size, num_kv_heads, head_dim_c = k_cache.shape
     assert head_dim_c == head_dim, (head_dim_c, head_dim)
     assert v_cache.shape == k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
@@ -303,8 +341,7 @@ def paged_attention(
     g = num_q_heads // num_kv_heads
     g_pad = next_pow2(g)
     head_dim_pad = max(16, next_pow2(head_dim))
-    bm, tn, num_warps, num_stages = _pick_tiles(max_query_len, g_pad, head_dim_pad,
-                                                 q.element_size())
+    bm, tn, num_warps, num_stages = _pick_tiles(max_query_len, g_pad, head_dim_pad, q.element_size())
     if block_m is not None:
         bm = block_m
     if tile_n is not None:
@@ -313,39 +350,61 @@ def paged_attention(
     block_q = bm // g_pad
     num_q_blocks = cdiv(max(max_query_len, 1), block_q)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, num_q_blocks,
-                                             max_seq_len, tn, device_num_sms(q.device))
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs, num_kv_heads, num_q_blocks, max_seq_len, tn, device_num_sms(q.device)
+        )
     num_kv_splits = max(1, int(num_kv_splits))
     if is_interpreting():
         num_stages = 1
 
     if num_kv_splits > 1:
-        part_out = torch.empty((num_tokens, num_q_heads, num_kv_splits, head_dim_pad),
-                               dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_tokens, num_q_heads, num_kv_splits),
-                               dtype=torch.float32, device=q.device)
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, num_kv_splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_tokens, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = out  # unused by the kernel
         part_lse = out
     grid = (num_q_blocks, num_seqs, num_kv_heads * num_kv_splits)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        out, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
         float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_kv_splits > 1 else 0,
-        part_lse.stride(0), part_lse.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2) if num_kv_splits > 1 else 0,
+        part_lse.stride(0),
+        part_lse.stride(1),
         BLOCK_SIZE=block_size,
-        G=g, G_PAD=g_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_Q=block_q, BLOCK_M=bm, TILE_N=tn,
+        G=g,
+        G_PAD=g_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=bm,
+        TILE_N=tn,
         NUM_SPLITS=num_kv_splits,
         IEEE_DOT=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_kv_splits > 1:
         if is_interpreting():  # one program per token: fewer, bigger interpreted steps
@@ -353,13 +412,22 @@ def paged_attention(
         else:  # enough programs to spread over the SMs, a few heads each when many tokens
             block_h = 1 if num_tokens * num_q_heads <= 4 * device_num_sms(q.device) else 4
         _reduce_splits_kernel[(num_tokens, cdiv(num_q_heads, block_h))](
-            part_out, part_lse, out,
+            part_out,
+            part_lse,
+            out,
             num_q_heads,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_kv_splits, SPLITS_PAD=next_pow2(num_kv_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=next_pow2(num_kv_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_H=block_h,
             num_warps=4 if block_h * head_dim_pad >= 256 else 2,
         )
     return out

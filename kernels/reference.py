@@ -1,4 +1,5 @@
-"""Pure-torch references for the kernels: the test oracle, written for clarity.
+"""Pure-torch references for the kernels, written for clarity: the test oracle, and the CPU
+path (the torch attention backend and the model's norms and activations use them).
 
 Layouts (shared with the Triton kernels and the engine):
 - K/V cache per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -9,11 +10,21 @@ Layouts (shared with the Triton kernels and the engine):
   ``i`` of a request with ``q_len`` new tokens sits at position ``seq_len - q_len + i`` and sees
   keys ``0..position``: one definition for decode, prefill, chunked prefill and prefill over
   a cached prefix. Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+
+Numerics of RMSNorm and SiLU-and-mul follow the Hugging Face Llama/Qwen modules exactly, so
+a model gives transformers' outputs through either the reference or the Triton kernel
+(beyond reduction order):
+- RMSNorm: the residual add rounds to the input dtype first (``h = x + residual``); the
+  statistics are computed in fp32; the normalised value is rounded to the input dtype and
+  then multiplied by the weight (``weight * h_normed.to(dtype)``).
+- SiLU-and-mul: ``silu(gate)`` is rounded to the input dtype, then multiplied by ``up``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .utils import cdiv
 
 
 def write_kv_cache(
@@ -31,7 +42,7 @@ def write_kv_cache(
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` tokens of one request's K or V: ``[seq_len, num_kv_heads, head_dim]``."""
-    num_blocks = -(-seq_len // cache.shape[1])
+    num_blocks = cdiv(seq_len, cache.shape[1])
     return cache[block_ids[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
@@ -63,3 +74,25 @@ def paged_attention(
         scores = scores.masked_fill(~visible, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+):
+    """``x [..., hidden]`` -> ``out`` or, with ``residual``, ``(out, x + residual)``."""
+    h = x if residual is None else (x + residual)
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight.float() * normed.float()).to(x.dtype)
+    return out if residual is None else (out, h)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., 2 * d]`` (gate then up, as a fused gate_up projection) -> ``[..., d]``."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    act = torch.nn.functional.silu(gate.float()).to(x.dtype)
+    return (act.float() * up.float()).to(x.dtype)

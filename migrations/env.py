@@ -16,8 +16,9 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
-from worker.settings import Settings
-from worker.store.db import Base, create_db_engine, normalize_url
+from worker.core.settings import Settings
+from worker.store.database import create_db_engine, normalize_url
+from worker.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

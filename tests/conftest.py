@@ -12,11 +12,14 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Kernel modules must see this before triton is first imported (CPU has no GPU to run them).
-if os.environ.get("CONVEYOR_TEST_GPU") != "1":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Both import torch: imported after OMP_NUM_THREADS is set.
+from engine.testing import build_tiny_model
+from kernels.interpreter import enable_interpreter
 
-from engine.testing import build_tiny_model  # noqa: E402
+# The kernels run in Triton's interpreter (CPU has no GPU to run them) unless CONVEYOR_TEST_GPU=1
+# or TRITON_INTERPRET says otherwise; chosen before anything imports triton.
+if os.environ.get("CONVEYOR_TEST_GPU") != "1":
+    enable_interpreter(unless_set=True)
 
 
 @pytest.fixture(scope="session")

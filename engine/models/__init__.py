@@ -1,7 +1,8 @@
-"""Our own forward passes over Hugging Face configs and safetensors weights."""
+"""Our own forward passes over Hugging Face configs and safetensors weights.
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import load_model, resolve_model_path
-from engine.models.model_config import ModelSpec
+- ``model_config``: ``ModelSpec``, the architecture facts read from a checkpoint's config.
+- ``llama``: the Llama family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3).
+- ``loader``: finding a checkpoint (local directory or hub id) and loading its weights.
 
-__all__ = ["LlamaForCausalLM", "ModelSpec", "load_model", "resolve_model_path"]
+Import each name from the module that defines it: this package re-exports nothing.
+"""

@@ -1,7 +1,9 @@
 """The Llama family forward pass (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)
-over a flat, unpadded batch of tokens, attention through ``engine.attention``.
+over a flat, unpadded batch of tokens, attention through an ``engine.attention`` backend.
 
-Q/K/V and gate/up projections are fused into one matmul each at load time.
+Q/K/V and gate/up projections are fused into one matmul each at load time. RMSNorm and
+SiLU-and-mul are the kernels' torch references (``kernels.reference``), which follow
+transformers' numerics.
 """
 
 from __future__ import annotations
@@ -10,20 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionBackend
 from engine.models.model_config import ModelSpec
+from kernels import reference
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # The same operations, in the same order, as transformers' LlamaRMSNorm.
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +28,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to ``max_len``, computed once in float32."""
+
+    cos: torch.Tensor  # buffers, [max_len, head_dim]
+    sin: torch.Tensor
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -78,7 +76,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
@@ -95,8 +93,8 @@ class MLP(nn.Module):
         self.down_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        return F.linear(reference.silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -129,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend: AttentionBackend, kv_caches) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rope, backend, kv_cache)
         return self.norm(x)
 
@@ -147,27 +145,26 @@ class LlamaForCausalLM(nn.Module):
         }
         if not spec.tie_word_embeddings:
             slots["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
+
+        def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, offset: int, rows: int) -> None:
+            slots[name + ".weight"] = (weight, offset, rows)
+            if bias is not None:
+                slots[name + ".bias"] = (bias, offset, rows)
+
         q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)  # a ModuleList types its items as Module
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
             slots[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, spec.hidden_size)
             slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, spec.hidden_size)
             for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                slots[p + f"self_attn.{name}.weight"] = (a.qkv_weight, off, rows)
-                if a.qkv_bias is not None:
-                    slots[p + f"self_attn.{name}.bias"] = (a.qkv_bias, off, rows)
-            slots[p + "self_attn.o_proj.weight"] = (a.o_weight, 0, spec.hidden_size)
-            if a.o_bias is not None:
-                slots[p + "self_attn.o_proj.bias"] = (a.o_bias, 0, spec.hidden_size)
-            if a.q_norm is not None:
+                linear(p + f"self_attn.{name}", a.qkv_weight, a.qkv_bias, off, rows)
+            linear(p + "self_attn.o_proj", a.o_weight, a.o_bias, 0, spec.hidden_size)
+            if a.q_norm is not None and a.k_norm is not None:
                 slots[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, spec.head_dim)
                 slots[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, spec.head_dim)
             for name, off in (("gate_proj", 0), ("up_proj", inter)):
-                slots[p + f"mlp.{name}.weight"] = (m.gate_up_weight, off, inter)
-                if m.gate_up_bias is not None:
-                    slots[p + f"mlp.{name}.bias"] = (m.gate_up_bias, off, inter)
-            slots[p + "mlp.down_proj.weight"] = (m.down_weight, 0, spec.hidden_size)
-            if m.down_bias is not None:
-                slots[p + "mlp.down_proj.bias"] = (m.down_bias, 0, spec.hidden_size)
+                linear(p + f"mlp.{name}", m.gate_up_weight, m.gate_up_bias, off, inter)
+            linear(p + "mlp.down_proj", m.down_weight, m.down_bias, 0, spec.hidden_size)
         return slots

@@ -27,8 +27,31 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 
     try:
         return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS))
-    except Exception as exc:  # noqa: BLE001 - many hub/network error types; say which model
+    except Exception as exc:  # many hub/network error types; say which model
         raise ValueError(f"could not find model {model!r} locally or on the hub: {exc}") from exc
+
+
+# Any of these in a checkpoint is a tokenizer transformers' AutoTokenizer can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_checkpoint(path: Path) -> ModelSpec:
+    """What loading ``path`` would reject, found without loading a tensor: a ``config.json``
+    that parses and names a supported architecture, safetensors files whose headers read, a
+    tokenizer. ``ValueError`` names the file and the problem."""
+    spec = ModelSpec.from_pretrained(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own error types for a damaged file
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    return spec
 
 
 def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -40,7 +63,7 @@ def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, de
     missing = set(slots)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and spec.tie_word_embeddings:

@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,21 +41,19 @@ class ModelSpec:
     sliding_window: int | None = None
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelSpec":
+    def from_pretrained(cls, path: str | Path) -> ModelSpec:
         path = Path(path)
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{path} has no config.json") from None
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json")
+        cfg = _read_json(path / "config.json")
         gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        gen = _read_json(gen_path) if gen_path.exists() else {}
         return cls.from_dicts(cfg, gen)
 
     @classmethod
-    def from_dicts(cls, cfg: dict, gen: dict | None = None) -> "ModelSpec":
+    def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
         gen = gen or {}
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,7 +91,6 @@ class ModelSpec:
             sliding_window=sliding,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
-            bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
@@ -133,3 +131,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; ``ValueError`` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -32,6 +34,44 @@ def assert_no_leaks(engine) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv._blocks and not engine._groups
     assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
+
+
+def spy(monkeypatch, obj: object, name: str) -> list[tuple[tuple[Any, ...], Any]]:
+    """Wrap ``obj.name`` so that each call's (positional arguments, result) is recorded."""
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+    original = getattr(obj, name)
+
+    def recording(*args: Any) -> Any:
+        result = original(*args)
+        calls.append((args, result))
+        return result
+
+    monkeypatch.setattr(obj, name, recording)
+    return calls
+
+
+def record_steps(monkeypatch, scheduler) -> list[list[tuple[int, int, int]]]:
+    """Record every step ``scheduler`` plans: per scheduled request, (tokens computed before,
+    new tokens, tokens in all)."""
+    steps: list[list[tuple[int, int, int]]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append(
+            [(r.num_computed_tokens, n, r.num_tokens) for r, n in zip(out.requests, out.num_new_tokens, strict=True)]
+        )
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    return steps
+
+
+def assert_chunked_prefill_steps(steps: list[list[tuple[int, int, int]]], budget: int) -> None:
+    """Every step kept to the token budget, and some step mixed a prefill chunk with decodes."""
+    assert all(sum(n for _, n, _ in s) <= budget for s in steps), "token budget exceeded"
+    mixed = [s for s in steps if any(n == 1 and c + 1 == t for c, n, t in s) and any(n > 1 for _, n, _ in s)]
+    assert mixed, "no step mixed a prefill chunk with decodes"
 
 
 @pytest.fixture(scope="session")

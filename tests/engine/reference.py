@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine import SamplingParams
+
 TIE_MARGIN = 1e-3
 # References are generated once per prompt at this length and cut: greedy output for a
 # smaller max_new_tokens is a prefix of it.
@@ -65,7 +67,7 @@ class HFReference:
 
 
 def assert_greedy_match(ours: list[int], ref: Greedy, label: str = "") -> None:
-    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids, strict=False)):  # lengths compared below
         if a != b:
             assert ref.margins[i] < TIE_MARGIN, (
                 f"{label}: token {i} is {a}, transformers gives {b} with a logit margin of "
@@ -73,3 +75,18 @@ def assert_greedy_match(ours: list[int], ref: Greedy, label: str = "") -> None:
             )
             return
     assert len(ours) == len(ref.token_ids), f"{label}: {len(ours)} tokens, transformers gives {len(ref.token_ids)}"
+
+
+def assert_outputs_match(hf: HFReference, prompts: list[str], max_tokens: list[int], outs: list) -> None:
+    """Each output finished, with the prompt ids transformers encodes and its greedy tokens
+    (near-ties aside). ``outs`` are ``RequestOutput``s in prompt order."""
+    assert len(outs) == len(prompts) == len(max_tokens)
+    for prompt, m, out in zip(prompts, max_tokens, outs, strict=True):
+        ids = hf.encode(prompt)
+        assert out.finished and out.prompt_token_ids == ids
+        assert_greedy_match(out.token_ids, hf.greedy(ids, m), label=repr(prompt))
+
+
+def greedy(max_tokens: list[int], **kwargs) -> list[SamplingParams]:
+    """Greedy sampling parameters, one per request."""
+    return [SamplingParams(max_tokens=m, temperature=0.0, **kwargs) for m in max_tokens]

@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine import attention as attention_module
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import torch_backend
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_backend import TorchAttention
 from kernels import reference
-from tests.engine.reference import assert_greedy_match
+from kernels.utils import cdiv
+from tests.engine.conftest import spy
+from tests.engine.reference import assert_outputs_match
 
 
 def _batch(shared_tokens: int, decode_lens: list[int], prefills: list[tuple[int, int]], *, bs=8, hkv=2, group=2, d=16):
@@ -20,14 +23,14 @@ def _batch(shared_tokens: int, decode_lens: list[int], prefills: list[tuple[int,
     shared = shared_tokens // bs
     lens = decode_lens + [s for _, s in prefills]
     q_lens = [1] * len(decode_lens) + [q for q, _ in prefills]
-    num_blocks = shared + sum(-(-n // bs) for n in lens) + 4
+    num_blocks = shared + sum(cdiv(n, bs) for n in lens) + 4
     k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     perm = torch.randperm(num_blocks - shared).add(shared).tolist()
-    max_blocks = max(-(-n // bs) for n in lens)
+    max_blocks = max(cdiv(n, bs) for n in lens)
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     for b, n in enumerate(lens):
-        need = -(-n // bs)
+        need = cdiv(n, bs)
         own = [perm.pop() for _ in range(need - min(shared, need))]
         row = list(range(min(shared, need))) + own
         tables[b, :need] = torch.tensor(row)
@@ -38,15 +41,10 @@ def _batch(shared_tokens: int, decode_lens: list[int], prefills: list[tuple[int,
     q = torch.randn(total, hkv * group, d)
     k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
     slots = []
-    for b, (ql, n) in enumerate(zip(q_lens, lens)):
+    for b, (ql, n) in enumerate(zip(q_lens, lens, strict=True)):
         for pos in range(n - ql, n):
             slots.append(int(tables[b, pos // bs]) * bs + pos % bs)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=tables, query_start_loc=qsl,
-        seq_lens=torch.tensor(lens, dtype=torch.int32), max_query_len=max(q_lens), max_seq_len=max(lens),
-        num_decodes=len(decode_lens), query_lens_host=q_lens, seq_lens_host=lens,
-    )
+    meta = AttentionMetadata.from_host(slots, tables.tolist(), q_lens, lens, len(decode_lens), torch.device("cpu"))
     return q, k, v, k_cache, v_cache, meta
 
 
@@ -56,8 +54,9 @@ def test_torch_backend_matches_the_reference(shared_tokens):
     q, k, v, kc, vc, meta = _batch(shared_tokens, decode_lens, prefills=[(5, 5), (7, shared_tokens + 30)])
     oracle_k, oracle_v = kc.clone(), vc.clone()
     reference.write_kv_cache(k, v, oracle_k, oracle_v, meta.slot_mapping)
-    expected = reference.paged_attention(q, oracle_k, oracle_v, meta.block_tables, meta.query_start_loc,
-                                         meta.seq_lens, 0.25)
+    expected = reference.paged_attention(
+        q, oracle_k, oracle_v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.25
+    )
     backend = TorchAttention()
     backend.prepare(meta)
     got = backend.forward(q, k, v, kc, vc, 0.25)
@@ -65,22 +64,18 @@ def test_torch_backend_matches_the_reference(shared_tokens):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kc.nan_to_num(), oracle_k.nan_to_num())
     used_cascade = backend._shared is not None
-    assert used_cascade == (shared_tokens >= attention_module.CASCADE_MIN_SHARED_TOKENS)
+    assert used_cascade == (shared_tokens >= torch_backend.CASCADE_MIN_SHARED_TOKENS)
 
 
 def test_cascade_decoding_keeps_outputs_exact(tiny_models, hf_reference, make_llm, monkeypatch):
     path = tiny_models("qwen2")
     hf = hf_reference(path)
-    calls = []
-    original = attention_module._shared_prefix_partials
-    monkeypatch.setattr(attention_module, "_shared_prefix_partials",
-                        lambda *a: calls.append(1) or original(*a))
-    monkeypatch.setattr(attention_module, "CASCADE_MIN_SHARED_TOKENS", 32)
+    calls = spy(monkeypatch, torch_backend, "_shared_prefix_partials")
+    monkeypatch.setattr(torch_backend, "CASCADE_MIN_SHARED_TOKENS", 32)
     llm = make_llm(path, block_size=8)
     system = "Seven guests wait at the table and the waiter pours cold water while the kitchen bakes bread. " * 2
     prompts = [system + q for q in ("Tea?", "Soup and fish", "The bill", "Count to three", "Cake", "Rice")]
     llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0))  # caches the shared prefix
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
     assert calls, "the cascade path did not run"
-    for p, o in zip(prompts, outs):
-        assert_greedy_match(o.token_ids, hf.greedy(hf.encode(p), 20), p)
+    assert_outputs_match(hf, prompts, [20] * len(prompts), outs)

@@ -12,7 +12,7 @@ On CPU this runs the ``torch`` backend (the Triton interpreter cannot compute in
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +20,10 @@ from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
 from engine.sampler import SamplerOutput
+from kernels.interpreter import kernel_device
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
+DEVICE = kernel_device()
+ON_GPU = DEVICE == "cuda"
 PROMPTS = [
     "The chef will bring",
     "Seven guests wait at the table and the waiter pours cold water while the kitchen",
@@ -41,10 +42,10 @@ class TeacherSampler:
 
     def __call__(self, logits: torch.Tensor, reqs) -> SamplerOutput:
         tokens = []
-        for row, req in zip(logits.float().cpu(), reqs):
+        for row, req in zip(logits.float().cpu(), reqs, strict=True):
             key = tuple(req.prompt_token_ids)
             self.logits[key].append(row)
-            tokens.append(self.continuations[key][req.num_output_tokens])
+            tokens.append(self.continuations[key][len(req.output_token_ids)])
         return SamplerOutput(tokens, None)
 
 
@@ -55,11 +56,16 @@ def _hf_logits(model, ids: list[int], n: int) -> torch.Tensor:
     return out[len(ids) - n - 1 : len(ids) - 1]
 
 
+def _hf_model(path: str, dtype: torch.dtype) -> Any:
+    """Transformers' model of ``path`` on DEVICE (its type, the one with ``generate``, is private)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(DEVICE).eval()  # type: ignore[arg-type]  # stubs lose .to's self: wrapped by functools.wraps
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
     path = tiny_models(family)
-    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
+    hf32, hf16 = _hf_model(path, torch.float32), _hf_model(path, torch.bfloat16)
     llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)
     if ON_GPU:
         assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
@@ -69,14 +75,22 @@ def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, fam
     for prompt in PROMPTS:
         ids = torch.tensor([tok(prompt).input_ids], device=DEVICE)
         with torch.no_grad():
-            out = hf32.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = hf32.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
         continuations[tuple(ids[0].tolist())] = out[0, ids.shape[1] :].tolist()
     teacher = TeacherSampler(continuations)
     llm.engine.runner.sampler = teacher
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
 
-    ours_err, hf_err, flips = [], [], 0
+    ours_errs: list[torch.Tensor] = []
+    hf_errs: list[torch.Tensor] = []
+    flips = 0
     for out in outs:
         key = tuple(out.prompt_token_ids)
         assert out.token_ids == continuations[key]  # the engine followed the teacher
@@ -85,16 +99,18 @@ def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, fam
         hf_bf16 = _hf_logits(hf16, full, NEW_TOKENS)
         ours = torch.stack(teacher.logits[key])
         assert ours.shape == ref.shape
-        ours_err.append((ours - ref).abs())
-        hf_err.append((hf_bf16 - ref).abs())
+        ours_errs.append((ours - ref).abs())
+        hf_errs.append((hf_bf16 - ref).abs())
         # Top-1 agrees wherever the float32 margin is wider than bf16 noise.
         top2 = ref.topk(2).values
-        clear = (top2[:, 0] - top2[:, 1]) > 4 * hf_err[-1].max(dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * hf_errs[-1].max(dim=-1).values
         flips += int((ours.argmax(-1) != ref.argmax(-1))[clear].sum())
-    ours_err, hf_err = torch.cat(ours_err), torch.cat(hf_err)
+    ours_err, hf_err = torch.cat(ours_errs), torch.cat(hf_errs)
     scale = max(float(hf_err.mean()), 1e-6)
-    summary = (f"mean |err| ours {float(ours_err.mean()):.4f} vs transformers bf16 {float(hf_err.mean()):.4f}; "
-               f"max {float(ours_err.max()):.4f} vs {float(hf_err.max()):.4f}")
+    summary = (
+        f"mean |err| ours {float(ours_err.mean()):.4f} vs transformers bf16 {float(hf_err.mean()):.4f}; "
+        f"max {float(ours_err.max()):.4f} vs {float(hf_err.max()):.4f}"
+    )
     assert float(ours_err.mean()) <= 1.5 * scale, summary
     assert float(ours_err.max()) <= 2.0 * float(hf_err.max()), summary
     assert flips == 0, summary

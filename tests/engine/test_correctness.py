@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLMEngine, EngineConfig, SamplingParams
-from tests.engine.conftest import assert_no_leaks
-from tests.engine.reference import assert_greedy_match
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.conftest import assert_chunked_prefill_steps, assert_no_leaks, record_steps
+from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 
 PROMPTS = [
     "The chef will bring",
@@ -21,24 +21,22 @@ PROMPTS = [
     "Seven hundred tokens in a batch queue",
 ]
 MAX_TOKENS = [24, 7, 40, 12, 33, 50, 1, 18, 29, 15]
-
-
-def _check(llm_or_engine, hf, outs, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    assert len(outs) == len(prompts)
-    for prompt, m, out in zip(prompts, max_tokens, outs):
-        ref = hf.greedy(hf.encode(prompt), m)
-        assert out.prompt_token_ids == hf.encode(prompt)
-        assert_greedy_match(out.token_ids, ref, label=repr(prompt))
-        assert out.finished
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
     path = tiny_models(family)
     llm = make_llm(path)
-    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS]
+    params = greedy(MAX_TOKENS)
     outs = llm.generate(PROMPTS, params)
-    _check(llm, hf_reference(path), outs)
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
     # EOS ends a request early only where transformers' generate ends too.
     assert {o.finish_reason for o in outs} <= {"length", "stop"}
 
@@ -58,7 +56,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
             if out.finished:
                 finished[out.request_id] = out
         step += 1
-    _check(engine, hf, [finished[f"r{i}"] for i in range(len(PROMPTS))])
+    assert_outputs_match(hf, PROMPTS, MAX_TOKENS, [finished[f"r{i}"] for i in range(len(PROMPTS))])
     assert_no_leaks(engine)
 
 
@@ -67,54 +65,40 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     path = tiny_models(family)
     # 10 blocks of 8 tokens: far less than the batch needs at once, more than any one request.
     llm = make_llm(path, block_size=8, num_kv_blocks=10)
-    params = [SamplingParams(max_tokens=m + 20, temperature=0.0) for m in MAX_TOKENS]
+    params = greedy([m + 20 for m in MAX_TOKENS])
     outs = llm.generate(PROMPTS, params)
-    _check(llm, hf_reference(path), outs, max_tokens=[m + 20 for m in MAX_TOKENS])
+    assert_outputs_match(hf_reference(path), PROMPTS, [m + 20 for m in MAX_TOKENS], outs)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm):
+def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm, monkeypatch):
     path = tiny_models(family)
     llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8)
-    scheduler = llm.engine.scheduler
-    steps = []
-    original = scheduler.schedule
-
-    def recording_schedule():
-        out = original()
-        steps.append([(r.num_computed_tokens, n, r.num_tokens) for r, n in zip(out.requests, out.num_new_tokens)])
-        return out
-
-    scheduler.schedule = recording_schedule
-    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS]
+    steps = record_steps(monkeypatch, llm.engine.scheduler)
+    params = greedy(MAX_TOKENS)
     outs = llm.generate(PROMPTS, params)
-    _check(llm, hf_reference(path), outs)
-    assert all(sum(n for _, n, _ in s) <= 8 for s in steps), "token budget exceeded"
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
+    assert_chunked_prefill_steps(steps, budget=8)
     partial = [s for s in steps if any(c + n < t for c, n, t in s)]
     assert partial, "no prompt was prefilled in chunks"
-    mixed = [s for s in steps if any(n == 1 and c + 1 == t for c, n, t in s) and any(n > 1 for _, n, _ in s)]
-    assert mixed, "no step mixed a prefill chunk with decodes"
 
 
 def test_prefix_caching_off_gives_the_same_tokens(tiny_models, hf_reference, make_llm):
     path = tiny_models("llama")
     llm = make_llm(path, enable_prefix_caching=False, block_size=4)
-    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS]
-    _check(llm, hf_reference(path), llm.generate(PROMPTS, params))
+    params = greedy(MAX_TOKENS)
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, llm.generate(PROMPTS, params))
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"legacy_config": True},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-         "legacy_config": True},
+        {"rope_scaling": LLAMA3_ROPE},
+        {"rope_scaling": LLAMA3_ROPE, "legacy_config": True},
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         {"tie_word_embeddings": True, "num_kv_heads": 4},
         {"num_kv_heads": 1, "head_dim": 32},
@@ -126,7 +110,7 @@ def test_config_variants_match_transformers(kwargs, tiny_models, hf_reference, m
     llm = make_llm(path)
     prompts, max_tokens = PROMPTS[:4], [30, 30, 30, 30]
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0))
-    _check(llm, hf_reference(path), outs, prompts, max_tokens)
+    assert_outputs_match(hf_reference(path), prompts, max_tokens, outs)
 
 
 def test_chat_messages_use_the_chat_template(tiny_models, hf_reference, make_llm):

@@ -14,12 +14,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import SamplingParams
+from engine import RequestOutput, SamplingParams
 from engine.cuda_graphs import graph_batch_sizes
-from tests.engine.reference import assert_greedy_match
-from tests.engine.test_triton_backend import INTERPRET, PROMPTS, needs_triton
+from kernels.interpreter import kernel_device
+from tests.engine.conftest import spy
+from tests.engine.reference import assert_outputs_match, greedy
+from tests.engine.test_triton_backend import PROMPTS, needs_triton
 
-ON_GPU = torch.cuda.is_available() and not INTERPRET
+ON_GPU = kernel_device() == "cuda"
 
 MAX_TOKENS = [9, 4, 12, 6, 10, 1]  # after the prefill: 5, 4, 3, 2, then 1 decodes a step
 
@@ -38,10 +40,6 @@ class CallingGraph:
 @pytest.fixture
 def model(tiny_models):
     return tiny_models("llama")
-
-
-def _greedy(max_tokens, **kwargs):
-    return [SamplingParams(max_tokens=m, temperature=0.0, **kwargs) for m in max_tokens]
 
 
 def _graph_llm(make_llm, model, **kwargs):
@@ -65,50 +63,50 @@ def test_graph_batch_sizes():
 
 
 @needs_triton
-def test_decode_graphs_match_transformers(model, hf_reference, make_llm):
+def test_decode_graphs_match_transformers(model, hf_reference, make_llm, monkeypatch):
     llm = _graph_llm(make_llm, model, max_num_seqs=8)
     graphs = llm.engine.runner.graphs
     assert graphs.sizes == [1, 2, 4, 8] and set(graphs.graphs) == {1, 2, 4, 8}
-    steps, run = [], graphs.run
-    graphs.run = lambda bs, ids, *a: steps.append((bs, len(ids))) or run(bs, ids, *a)
+    runs = spy(monkeypatch, graphs, "run")
 
     hf = hf_reference(model)
-    outs = llm.generate(PROMPTS, _greedy(MAX_TOKENS))
-    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs):
-        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), m), label=repr(prompt))
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(hf, PROMPTS, MAX_TOKENS, outs)
     # Every step after the prefill decodes only, and replayed the smallest bucket that
     # holds it, padded where the batch is smaller: (bucket, decodes).
+    steps = [(bucket, len(input_ids)) for (bucket, input_ids, *_), _ in runs]
     assert sorted(set(steps), reverse=True) == [(8, 5), (4, 4), (4, 3), (2, 2), (1, 1)]
     assert len(steps) == max(MAX_TOKENS) - 1 == sum(graphs.replays.values())
 
 
 @needs_triton
-def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm):
+def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm, monkeypatch):
     """Requests arriving while others decode: prefill steps run eagerly, decode-only steps
     replay graphs; a batch above the largest bucket runs eagerly; outputs stay exact."""
     llm = _graph_llm(make_llm, model, max_num_seqs=8, cuda_graph_max_batch_size=4)
     graphs = llm.engine.runner.graphs
     assert graphs.sizes == [1, 2, 4]
     engine, runner = llm.engine, llm.engine.runner
-    params = _greedy([14, 10, 12, 8, 6, 9])
-    eager_steps, forward_eager = [], runner._forward_eager
-    runner._forward_eager = lambda *a: eager_steps.append((a[-1], len(a[0]))) or forward_eager(*a)
+    max_tokens = [14, 10, 12, 8, 6, 9]
+    params = greedy(max_tokens)
+    eager_calls = spy(monkeypatch, runner, "_forward_eager")
     arrivals = {3: 2, 6: 3, 7: 4, 9: 5}  # step -> request index: joins mid-flight
     for i in range(2):
         engine.add_request(f"r{i}", PROMPTS[i], params[i])
-    outputs, step = {}, 0
+    outputs: dict[str, RequestOutput] = {}
+    step = 0
     while engine.has_unfinished_requests():
         if step in arrivals:
             engine.add_request(f"r{arrivals[step]}", PROMPTS[arrivals[step]], params[arrivals[step]])
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)
         step += 1
     hf = hf_reference(model)
-    for i, prompt in enumerate(PROMPTS):
-        out = outputs[f"r{i}"]
-        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), params[i].max_tokens), label=repr(prompt))
+    outs = [outputs[f"r{i}"] for i in range(len(PROMPTS))]
+    assert_outputs_match(hf, PROMPTS, max_tokens, outs)
     assert graphs.replays[4] > 0 and graphs.replays[2] > 0 and graphs.replays[1] > 0
     # (decodes, tokens) of eager steps: prefills mixed with decodes, and decode-only
     # batches above the largest bucket.
+    eager_steps = [(args[-1], len(args[0])) for args, _ in eager_calls]
     assert any(d < t and d > 0 for d, t in eager_steps)
     assert any(d == t > 4 for d, t in eager_steps)
 
@@ -128,8 +126,16 @@ class _HostSyncs(TorchDispatchMode):
     the host (``.item()``, ``.tolist()``, data-dependent shapes) or baking a host value into
     a new tensor (``torch.tensor(...)``), which a replay would never see change."""
 
-    FORBIDDEN = ("aten.item", "aten._local_scalar_dense", "aten.lift_fresh", "aten.nonzero", "aten.masked_select",
-                 "aten.unique", "aten._unique2", "aten.repeat_interleave.Tensor")
+    FORBIDDEN = (
+        "aten.item",
+        "aten._local_scalar_dense",
+        "aten.lift_fresh",
+        "aten.nonzero",
+        "aten.masked_select",
+        "aten.unique",
+        "aten._unique2",
+        "aten.repeat_interleave.Tensor",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,7 +151,7 @@ class _HostSyncs(TorchDispatchMode):
 def test_the_captured_forward_never_syncs_with_the_host(model, make_llm):
     llm = _graph_llm(make_llm, model, max_num_seqs=4)
     graphs = llm.engine.runner.graphs
-    llm.generate(PROMPTS[:1], _greedy([2]))  # some real context in the cache
+    llm.generate(PROMPTS[:1], greedy([2]))  # some real context in the cache
     mode = _HostSyncs()
     with mode:  # the interpreter's launches touch tensors without dispatch: still meaningful
         graphs.graphs[4].fn()
@@ -162,10 +168,9 @@ def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and set(graphs.graphs) == {1, 2, 4, 8}
     hf = hf_reference(model)
-    outs = llm.generate(PROMPTS, _greedy(MAX_TOKENS))
-    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs):
-        assert_greedy_match(out.token_ids, hf.greedy(hf.encode(prompt), m), label=repr(prompt))
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(hf, PROMPTS, MAX_TOKENS, outs)
     assert sum(graphs.replays.values()) > 0
     eager = make_llm(model, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=True)
     assert eager.engine.runner.graphs is None
-    assert [o.token_ids for o in eager.generate(PROMPTS, _greedy(MAX_TOKENS))] == [o.token_ids for o in outs]
+    assert [o.token_ids for o in eager.generate(PROMPTS, greedy(MAX_TOKENS))] == [o.token_ids for o in outs]

@@ -12,8 +12,14 @@ from tests.engine.conftest import assert_no_leaks
 
 
 def _req(rid: str, tokens: list[int], max_tokens: int = 16) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), max_total_tokens=10_000,
-                   eos_token_ids=frozenset(), arrival_seq=int(rid.strip("r") or 0))
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens),
+        max_total_tokens=10_000,
+        eos_token_ids=frozenset(),
+        arrival_seq=int(rid.strip("r") or 0),
+    )
 
 
 def test_blocks_are_allocated_on_demand_and_freed():
@@ -48,7 +54,7 @@ def test_prefix_hit_shares_blocks_and_leaves_the_last_token():
     a = _req("r1", list(range(12)))
     assert kv.get_computed_blocks(a) == ([], 0)
     assert kv.allocate_slots(a, 12)
-    b = _req("r2", list(range(10)) + [50, 51, 52])
+    b = _req("r2", [*range(10), 50, 51, 52])
     hits, n = kv.get_computed_blocks(b)
     assert n == 8 and [h.block_id for h in hits] == kv.block_ids("r1")[:2]
     assert kv.allocate_slots(b, 13 - 8, hits)
@@ -95,7 +101,7 @@ def test_freed_cached_blocks_stay_findable_then_evict_in_lru_order_tail_first():
 
 def test_request_too_long_for_the_cache_is_rejected(tiny_models):
     engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", block_size=4, num_kv_blocks=8))
-    with pytest.raises(ValueError, match="prompt is .* tokens; this engine takes at most 31"):
+    with pytest.raises(ValueError, match=r"prompt is .* tokens; this engine takes at most 31"):
         engine.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=4))
     engine.add_request("ok", list(range(3, 20)), SamplingParams(max_tokens=100, temperature=0))
     outs = []
@@ -107,7 +113,9 @@ def test_request_too_long_for_the_cache_is_rejected(tiny_models):
 
 
 def _run(engine: LLMEngine, corrupt=None) -> list[int]:
-    engine.add_request("x", "Seven guests wait at the table and the waiter pours", SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request(
+        "x", "Seven guests wait at the table and the waiter pours", SamplingParams(max_tokens=12, temperature=0)
+    )
     out = engine.step()  # the prefill
     if corrupt is not None:
         corrupt(engine)
@@ -119,8 +127,9 @@ def _run(engine: LLMEngine, corrupt=None) -> list[int]:
 
 
 def test_corrupting_a_cached_block_changes_the_output_and_other_blocks_do_not(tiny_models):
-    engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", block_size=4, num_kv_blocks=32,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(tiny_models("llama"), device="cpu", block_size=4, num_kv_blocks=32, enable_prefix_caching=False)
+    )
     clean = _run(engine)
 
     def corrupt_own_block(e):

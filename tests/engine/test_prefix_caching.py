@@ -11,15 +11,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
+from kernels.utils import cdiv
 from tests.engine.conftest import assert_no_leaks
-from tests.engine.reference import assert_greedy_match
+from tests.engine.reference import assert_outputs_match
 
 SYSTEM = "Seven guests wait at the table and the waiter pours cold water while the kitchen"
 SUFFIXES = [" bakes bread", " serves soup and fish", " is slow", " counts one two three four", "", " rests"]
-
-
-def _ids(hf, text):
-    return hf.encode(text)
 
 
 def _greedy(n, ignore_eos=True):
@@ -33,14 +30,12 @@ def test_cache_hits_keep_outputs_exact(tiny_models, hf_reference, make_llm):
     prompts = [SYSTEM + s for s in SUFFIXES]
     first = llm.generate(prompts[:2], _greedy(20, ignore_eos=False))  # warms the cache with the shared prefix
     second = llm.generate(prompts, _greedy(20, ignore_eos=False))  # partial-block sharing and identical prompts
-    for p, o in zip(prompts[:2] + prompts, first + second):
-        ref = hf.greedy(_ids(hf, p), 20)
-        assert_greedy_match(o.token_ids, ref, p)
-    system_blocks = len(_ids(hf, SYSTEM)) // 4
+    assert_outputs_match(hf, prompts[:2] + prompts, [20] * 8, first + second)
+    system_blocks = len(hf.encode(SYSTEM)) // 4
     assert all(o.num_cached_tokens >= (system_blocks - 1) * 4 for o in second)
     # The identical prompts hit every full block but the one holding the last token.
-    for p, o in zip(prompts[:2], second[:2]):
-        assert o.num_cached_tokens == (len(_ids(hf, p)) - 1) // 4 * 4
+    for p, o in zip(prompts[:2], second[:2], strict=True):
+        assert o.num_cached_tokens == (len(hf.encode(p)) - 1) // 4 * 4
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0 and 0 < stats.prefix_cache_hit_rate < 1
 
@@ -52,8 +47,7 @@ def test_eviction_under_memory_pressure_keeps_outputs_exact(tiny_models, hf_refe
     prompts = [SYSTEM + s for s in SUFFIXES] + [f"Tea {i} and cake with the chef number {i}" for i in range(6)]
     for _ in range(2):
         outs = llm.generate(prompts, _greedy(24, ignore_eos=False))
-        for p, o in zip(prompts, outs):
-            assert_greedy_match(o.token_ids, hf.greedy(_ids(hf, p), 24), p)
+        assert_outputs_match(hf, prompts, [24] * len(prompts), outs)
     stats = llm.engine.stats()
     assert stats.num_evictions > 0 and stats.prefix_cache_hits > 0
 
@@ -61,10 +55,13 @@ def test_eviction_under_memory_pressure_keeps_outputs_exact(tiny_models, hf_refe
 @pytest.mark.parametrize("policy", ["fcfs", "prefix"])
 @pytest.mark.parametrize("budget", [8192, 16])
 def test_a_shared_uncached_prefix_is_computed_once(policy, budget, tiny_models):
-    engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", block_size=4, scheduling_policy=policy,
-                                    max_num_batched_tokens=budget))
+    engine = LLMEngine(
+        EngineConfig(
+            tiny_models("llama"), device="cpu", block_size=4, scheduling_policy=policy, max_num_batched_tokens=budget
+        )
+    )
     prefix = list(range(10, 74))  # 64 tokens = 16 full blocks
-    prompts = [prefix + [100 + i, 200 + i, 300 + i] for i in range(8)]
+    prompts = [[*prefix, 100 + i, 200 + i, 300 + i] for i in range(8)]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(3))
     outs = {}
@@ -94,12 +91,13 @@ def test_n_samples_share_the_prompt_blocks(tiny_models):
 def test_prefix_policy_runs_requests_sharing_a_prefix_together(tiny_models):
     order = {}
     for policy in ("fcfs", "prefix"):
-        engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", block_size=4, max_num_seqs=1,
-                                        scheduling_policy=policy))
+        engine = LLMEngine(
+            EngineConfig(tiny_models("llama"), device="cpu", block_size=4, max_num_seqs=1, scheduling_policy=policy)
+        )
         a, b = list(range(10, 30)), list(range(40, 60))
         for i in range(3):
-            engine.add_request(f"a{i}", a + [100 + i], _greedy(2))
-            engine.add_request(f"b{i}", b + [100 + i], _greedy(2))
+            engine.add_request(f"a{i}", [*a, 100 + i], _greedy(2))
+            engine.add_request(f"b{i}", [*b, 100 + i], _greedy(2))
         finished = []
         while engine.has_unfinished_requests():
             finished += [o.request_id for o in engine.step() if o.finished]
@@ -124,8 +122,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(tokens=TOKENS)
     def admit(self, tokens):
         self.seq += 1
-        req = Request(f"r{self.seq}", tokens, SamplingParams(), max_total_tokens=10_000,
-                      eos_token_ids=frozenset(), arrival_seq=self.seq)
+        req = Request(
+            f"r{self.seq}",
+            tokens,
+            SamplingParams(),
+            max_total_tokens=10_000,
+            eos_token_ids=frozenset(),
+            arrival_seq=self.seq,
+        )
         hits, cached = self.kv.get_computed_blocks(req)
         assert cached <= len(tokens) - 1
         assert [b.block_hash for b in hits] == req.block_hashes[: len(hits)]
@@ -158,7 +162,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         refs = [0] * kv.num_blocks
         for rid, req in self.live.items():
             ids = kv.block_ids(rid)
-            assert len(ids) == len(set(ids)) == -(-req.num_computed_tokens // kv.block_size)
+            assert len(ids) == len(set(ids)) == cdiv(req.num_computed_tokens, kv.block_size)
             for i in ids:
                 refs[i] += 1
         assert [b.ref_cnt for b in pool.blocks] == refs
@@ -179,5 +183,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 
 TestBlockPool = BlockPoolMachine.TestCase
-TestBlockPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestBlockPool.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import RequestOutput, SamplingParams
 from engine.request import Request
 from engine.sampler import Sampler
 from tests.engine.reference import assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"
-OTHERS = ["The chef will bring", "Tea", "Warm bread and fresh fish", "Count to ten: one two three",
-          "Late guests ask the waiter about the menu", "A", "Serve", "queue worker engine cache block"]
+OTHERS = [
+    "The chef will bring",
+    "Tea",
+    "Warm bread and fresh fish",
+    "Count to ten: one two three",
+    "Late guests ask the waiter about the menu",
+    "A",
+    "Serve",
+    "queue worker engine cache block",
+]
 
 
 def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_models, make_llm):
@@ -37,7 +46,7 @@ def test_seeded_request_is_the_same_alone_and_in_a_busy_batch(tiny_models, make_
 
 def test_seeds_differ_and_n_samples_use_consecutive_seeds(tiny_models, make_llm):
     llm = make_llm(tiny_models("llama"))
-    base = dict(max_tokens=20, temperature=1.0, ignore_eos=True)
+    base: dict[str, Any] = dict(max_tokens=20, temperature=1.0, ignore_eos=True)
     a = llm.generate([PROMPT], SamplingParams(seed=7, **base))[0].token_ids
     b = llm.generate([PROMPT], SamplingParams(seed=8, **base))[0].token_ids
     assert a != b
@@ -74,8 +83,12 @@ def test_bad_sampling_values_name_the_field(kwargs, field):
 
 
 def _rows(n: int, **params) -> list[Request]:
-    return [Request(str(i), [1, 2, 3], SamplingParams(**params), max_total_tokens=100,
-                    eos_token_ids=frozenset(), arrival_seq=i) for i in range(n)]
+    return [
+        Request(
+            str(i), [1, 2, 3], SamplingParams(**params), max_total_tokens=100, eos_token_ids=frozenset(), arrival_seq=i
+        )
+        for i in range(n)
+    ]
 
 
 def test_top_k_top_p_min_p_sample_only_allowed_tokens_in_proportion():
@@ -107,7 +120,7 @@ def test_penalties_follow_their_definitions():
     torch.manual_seed(0)
     logits = torch.randn(2, 10)
     rows = _rows(2, temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
-    for r, out in zip(rows, ([4, 4, 7], [9])):
+    for r, out in zip(rows, ([4, 4, 7], [9]), strict=True):
         for t in out:
             r.append_token(t)
     got = Sampler(torch.device("cpu"), 0)._apply_penalties(logits, rows)
@@ -145,12 +158,16 @@ def test_stop_strings_cut_the_text_and_deltas_add_up(tiny_models, make_llm):
     stop = full.text[12:15]
     cut = full.text.find(stop)
     engine = llm.engine
-    engine.add_request("s", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop, "never-there"]))
-    deltas, last = [], None
+    engine.add_request(
+        "s", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop, "never-there"])
+    )
+    deltas: list[str] = []
+    last: RequestOutput | None = None
     while engine.has_unfinished_requests():
         for o in engine.step():
             deltas.append(o.new_text)
             last = o
+    assert last is not None
     assert last.finish_reason == "stop" and last.stop_reason == stop
     assert last.text == full.text[:cut]
     assert "".join(deltas) == last.text
@@ -178,7 +195,7 @@ def test_logprobs_of_chosen_and_top_tokens_match_transformers(tiny_models, hf_re
     ref = hf.greedy(hf.encode(PROMPT), 12)
     assert_greedy_match(out.token_ids, ref)
     assert len(out.logprobs) == len(out.token_ids)
-    for tok, entry, logits in zip(out.token_ids, out.logprobs, ref.logits):
+    for tok, entry, logits in zip(out.token_ids, out.logprobs, ref.logits, strict=True):
         lp = torch.log_softmax(logits, -1)
         top = lp.topk(3)
         assert set(entry) == {tok} | set(top.indices.tolist())

@@ -38,9 +38,16 @@ def run_case(scenario: str, group: int, head_dim: int, dtype: torch.dtype, varia
 
     reqs, block_size, shared = SCENARIOS[scenario]
     splits, block_m, tile_n = VARIANTS[variant]
-    batch = make_batch(reqs, num_kv_heads=2, group=group, head_dim=head_dim,
-                       block_size=block_size, dtype=dtype, shared_prefix_blocks=shared,
-                       seed=zlib.crc32(f"{scenario}-{group}-{head_dim}".encode()))
+    batch = make_batch(
+        reqs,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        shared_prefix_blocks=shared,
+        seed=zlib.crc32(f"{scenario}-{group}-{head_dim}".encode()),
+    )
     out = paged_attention(*batch.args(), num_kv_splits=splits, block_m=block_m, tile_n=tile_n)
     ref = reference_attention(batch)
     assert out.shape == batch.q.shape and out.dtype == dtype

@@ -14,13 +14,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel  # noqa: E402
-from kernels.kv_cache_write import _write_kv_cache_kernel  # noqa: E402
-from kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel  # noqa: E402
+from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
+from kernels.kv_cache_write import _write_kv_cache_kernel
+from kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -29,10 +29,14 @@ ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 def _compile(fn, types, consts, target, div16=(), **opts):
     """Like a launch would: pointers and the named ints marked 16-divisible."""
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-             for n in fn.arg_names if n in div16 or sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    attrs = {
+        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in fn.arg_names
+        if n in div16 or sig[n].startswith("*")
+    }
+    src = ASTSource(
+        fn=fn, signature=sig, attrs=attrs, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}
+    )
     return triton.compile(src, target=target, options=opts)
 
 
@@ -42,8 +46,7 @@ def _spill_bytes(kernel) -> int | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
     for tok in out.split():
@@ -58,35 +61,73 @@ def attention(dt, arch, group, head_dim, max_query_len, splits):
     bm, tn, nw, ns = _pick_tiles(max_query_len, g_pad, d_pad, ELEM[dt])
     ptr = "*" + dt
     part = "*fp32" if splits > 1 else ptr
-    types = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
-                 query_start_loc_ptr="*i32", seq_lens_ptr="*i32", out_ptr=ptr,
-                 part_out_ptr=part, part_lse_ptr=part, scale_log2e="fp32")
-    consts = dict(BLOCK_SIZE=16, G=group, G_PAD=g_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-                  BLOCK_Q=bm // g_pad, BLOCK_M=bm, TILE_N=tn, NUM_SPLITS=splits,
-                  IEEE_DOT=dt == "fp32")
+    types = dict(
+        q_ptr=ptr,
+        k_cache_ptr=ptr,
+        v_cache_ptr=ptr,
+        block_tables_ptr="*i32",
+        query_start_loc_ptr="*i32",
+        seq_lens_ptr="*i32",
+        out_ptr=ptr,
+        part_out_ptr=part,
+        part_lse_ptr=part,
+        scale_log2e="fp32",
+    )
+    consts = dict(
+        BLOCK_SIZE=16,
+        G=group,
+        G_PAD=g_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=d_pad,
+        BLOCK_Q=bm // g_pad,
+        BLOCK_M=bm,
+        TILE_N=tn,
+        NUM_SPLITS=splits,
+        IEEE_DOT=dt == "fp32",
+    )
     strides = [n for n in _paged_attn_kernel.arg_names if n.startswith("stride_")]
     strides.remove("stride_bt")
-    k = _compile(_paged_attn_kernel, types, consts, GPUTarget("cuda", arch, 32),
-                 div16=strides, num_warps=nw, num_stages=ns)
-    return dict(kernel="paged_attention", dtype=dt, arch=arch, group=group, head_dim=head_dim,
-                max_query_len=max_query_len, splits=splits, config=[bm, tn, nw, ns],
-                shared=k.metadata.shared, spill=_spill_bytes(k))
+    k = _compile(
+        _paged_attn_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=nw, num_stages=ns
+    )
+    return dict(
+        kernel="paged_attention",
+        dtype=dt,
+        arch=arch,
+        group=group,
+        head_dim=head_dim,
+        max_query_len=max_query_len,
+        splits=splits,
+        config=[bm, tn, nw, ns],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
 
 
 def others(arch):
     t = GPUTarget("cuda", arch, 32)
-    _compile(_reduce_splits_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                                         out_ptr="*bf16"),
-             dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=4), t,
-             num_warps=4)
-    _compile(_write_kv_cache_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16",
-                                          v_cache_ptr="*bf16", slot_ptr="*i64"),
-             dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), t, num_warps=4)
-    _compile(_rms_norm_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16",
-                                    out_ptr="*bf16", res_out_ptr="*bf16", eps="fp32"),
-             dict(HAS_RESIDUAL=True, BLOCK=4096), t, num_warps=16)
-    _compile(_silu_and_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024), t,
-             num_warps=4)
+    _compile(
+        _reduce_splits_kernel,
+        dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
+        dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=4),
+        t,
+        num_warps=4,
+    )
+    _compile(
+        _write_kv_cache_kernel,
+        dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"),
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
+        t,
+        num_warps=4,
+    )
+    _compile(
+        _rms_norm_kernel,
+        dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16", eps="fp32"),
+        dict(HAS_RESIDUAL=True, BLOCK=4096),
+        t,
+        num_warps=16,
+    )
+    _compile(_silu_and_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024), t, num_warps=4)
     return dict(kernel="others", arch=arch)
 
 

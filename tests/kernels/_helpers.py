@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
-# The interpreter computes bf16 arithmetic wrongly: bf16 only on a real GPU.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-TOL = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=5e-3, rtol=5e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
+from kernels.interpreter import kernel_device
 
 # The project's pure-torch reference is the oracle.
-from kernels.reference import paged_attention as ref_paged_attention  # noqa: E402
-from kernels.reference import write_kv_cache as ref_write_kv_cache  # noqa: E402,F401
+from kernels.reference import paged_attention as ref_paged_attention
+from kernels.utils import cdiv
+
+
+class Tol(TypedDict):
+    """Tolerances for ``torch.testing.assert_close``."""
+
+    atol: float
+    rtol: float
+
+
+DEVICE = kernel_device()
+# The interpreter computes bf16 arithmetic wrongly: bf16 only on a real GPU.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL: dict[torch.dtype, Tol] = {
+    torch.float32: Tol(atol=1e-4, rtol=1e-4),
+    torch.float16: Tol(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
+}
 
 
 @dataclass
@@ -34,9 +44,32 @@ class Batch:
     max_query_len: int
     max_seq_len: int
 
-    def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
-                self.seq_lens, self.scale, self.max_query_len, self.max_seq_len)
+    def args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, int]:
+        """The positional arguments of ``paged_attention``."""
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+        )
+
+    def cpu(self) -> Batch:
+        return dataclasses.replace(
+            self,
+            q=self.q.cpu(),
+            k_cache=self.k_cache.cpu(),
+            v_cache=self.v_cache.cpu(),
+            block_tables=self.block_tables.cpu(),
+            query_start_loc=self.query_start_loc.cpu(),
+            seq_lens=self.seq_lens.cpu(),
+        )
 
 
 def make_batch(
@@ -61,7 +94,7 @@ def make_batch(
     gen = torch.Generator().manual_seed(seed)
     nreq = len(reqs)
     seq_lens = [c + n for c, n in reqs]
-    nblk = [-(-L // block_size) for L in seq_lens]
+    nblk = [cdiv(L, block_size) for L in seq_lens]
     max_blocks = max(nblk) + 1
     total = 1 + shared_prefix_blocks + sum(nblk)
     k_cache = torch.full((total, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
@@ -83,9 +116,8 @@ def make_batch(
         v = torch.randn((L, num_kv_heads, head_dim), generator=gen).to(dtype)
         for p in range(L):
             blk = blocks[p // block_size]
-            if p // block_size < shared_prefix_blocks:
-                if blk in written_shared and b > 0:
-                    continue
+            if p // block_size < shared_prefix_blocks and blk in written_shared and b > 0:
+                continue
             k_cache[blk, p % block_size] = k[p]
             v_cache[blk, p % block_size] = v[p]
         written_shared.update(blocks[:shared_prefix_blocks])
@@ -95,13 +127,17 @@ def make_batch(
     q = torch.randn((sum(q_lens), num_kv_heads * group, head_dim), generator=gen).to(dtype)
     dev = DEVICE
     return Batch(
-        q=q.to(dev), k_cache=k_cache.to(dev), v_cache=v_cache.to(dev),
-        block_tables=block_tables.to(dev), query_start_loc=qsl.to(dev),
+        q=q.to(dev),
+        k_cache=k_cache.to(dev),
+        v_cache=v_cache.to(dev),
+        block_tables=block_tables.to(dev),
+        query_start_loc=qsl.to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-        scale=head_dim ** -0.5, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        scale=head_dim**-0.5,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
     )
 
 
 def reference_attention(batch: Batch) -> torch.Tensor:
-    args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in batch.args()]
-    return ref_paged_attention(*args)
+    return ref_paged_attention(*batch.cpu().args())

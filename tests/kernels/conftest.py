@@ -1,24 +1,22 @@
 """Kernel tests run on CPU in the Triton interpreter.
 
-TRITON_INTERPRET is read when Triton decorates a kernel, i.e. when a ``kernels.*`` Triton
-module is first imported, so it is set here at import time (a test module elsewhere that
-imports the kernels earlier in the same process must see it set too: set it in the root
-conftest or the environment). On a machine with a GPU run
-``TRITON_INTERPRET=0 pytest tests/kernels`` to test the compiled kernels (bf16 cases are
-enabled there; the interpreter computes bf16 wrongly).
+The root conftest asks for the interpreter before anything imports triton (Triton reads
+``TRITON_INTERPRET`` when it decorates a kernel, i.e. when a ``kernels.*`` Triton module is
+first imported); this one checks that it took. On a machine with a GPU run with
+``CONVEYOR_TEST_GPU=1`` (or ``TRITON_INTERPRET=0``) to test the compiled kernels (bf16 cases
+are enabled there; the interpreter computes bf16 wrongly).
 """
 
-import os
+import importlib
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
+from kernels.interpreter import is_interpreting, kernels_interpreted
 
 pytest.importorskip("triton")
-
-import kernels.paged_attention as _pa  # noqa: E402
-
-if os.environ["TRITON_INTERPRET"] == "1" and "Interpreted" not in type(_pa._paged_attn_kernel).__name__:
+# Imported now, so that kernels compiled in the wrong mode fail here, once, with a message.
+importlib.import_module("kernels.paged_attention")
+if is_interpreting() and not kernels_interpreted():
     raise RuntimeError(
         "kernels/ Triton modules were imported before TRITON_INTERPRET=1 was set, so they "
         "were compiled for a GPU; set TRITON_INTERPRET=1 earlier (root conftest or env)."

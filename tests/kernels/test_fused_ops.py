@@ -1,16 +1,19 @@
-"""Triton RMSNorm (+ fused residual add) and SiLU-and-mul vs kernels.reference_extra."""
+"""Triton RMSNorm (+ fused residual add) and SiLU-and-mul vs kernels.reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference_extra as ref
+from kernels import reference as ref
 
-from ._helpers import DEVICE, DTYPES
+from ._helpers import DEVICE, DTYPES, Tol
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL: dict[torch.dtype, Tol] = {
+    torch.float32: Tol(atol=1e-5, rtol=1e-5),
+    torch.float16: Tol(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
+}
 
 
 def _rand(*shape, dtype, seed):
@@ -28,8 +31,7 @@ def test_rms_norm(dtype, hidden, with_residual):
     w = _rand(hidden, dtype=dtype, seed=2)
     res = _rand(2, 3, hidden, dtype=dtype, seed=3) if with_residual else None
     got = rms_norm(x, w, 1e-6, residual=res)
-    want = ref.rms_norm(x.cpu(), w.cpu(), 1e-6,
-                        residual=None if res is None else res.cpu())
+    want = ref.rms_norm(x.cpu(), w.cpu(), 1e-6, residual=None if res is None else res.cpu())
     if with_residual:
         torch.testing.assert_close(got[1].cpu(), want[1], atol=0, rtol=0)  # exact add
         got, want = got[0], want[0]
@@ -43,8 +45,7 @@ def test_rms_norm_strided_rows():
     big = _rand(5, 128, dtype=torch.float32, seed=4)
     x = big[:, :64]  # row stride 128
     w = _rand(64, dtype=torch.float32, seed=5)
-    torch.testing.assert_close(rms_norm(x, w, 1e-5).cpu(), ref.rms_norm(x.cpu(), w.cpu(), 1e-5),
-                               **TOL[torch.float32])
+    torch.testing.assert_close(rms_norm(x, w, 1e-5).cpu(), ref.rms_norm(x.cpu(), w.cpu(), 1e-5), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])

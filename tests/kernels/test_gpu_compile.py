@@ -24,8 +24,9 @@ def test_kernels_compile_for_gpu_without_spills():
     if not ptxas.exists():
         pytest.skip("Triton's bundled ptxas is not available")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, str(HERE / "_gpu_compile.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_gpu_compile.py")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     attn = [r for r in results if r["kernel"] == "paged_attention"]

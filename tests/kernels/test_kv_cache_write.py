@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._helpers import DEVICE, DTYPES, ref_write_kv_cache
+from kernels.reference import write_kv_cache as ref_write_kv_cache
+
+from ._helpers import DEVICE, DTYPES
 
 
 def _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype):
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
-                         dtype=dtype, device=DEVICE)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     return k_cache, k_cache.clone()
 
 
@@ -19,7 +20,8 @@ def _check(k, v, slots, k_cache, v_cache):
 
     rk, rv = k_cache.cpu().clone(), v_cache.cpu().clone()
     ref_write_kv_cache(k.cpu(), v.cpu(), rk, rv, slots.cpu())
-    assert write_kv_cache(k, v, k_cache, v_cache, slots) is None
+    ret = write_kv_cache(k, v, k_cache, v_cache, slots)  # type: ignore[func-returns-value]  # checked: returns nothing
+    assert ret is None
     # exact copy; untouched (NaN) slots stay NaN
     torch.testing.assert_close(k_cache.cpu(), rk, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache.cpu(), rv, atol=0, rtol=0, equal_nan=True)
@@ -45,8 +47,8 @@ def test_write_kv_cache_strided_views_of_fused_qkv():
     """k and v as column slices of a fused QKV projection output (non-contiguous)."""
     nq, nkv, d, t = 4, 2, 64, 9
     qkv = torch.randn((t, (nq + 2 * nkv) * d), device=DEVICE)
-    k = qkv[:, nq * d:(nq + nkv) * d].view(t, nkv, d)
-    v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+    k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+    v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
     assert not k.is_contiguous()
     k_cache, v_cache = _caches(4, 4, nkv, d, torch.float32)
     slots = torch.tensor([0, 1, 2, 3, 4, 5, -1, 12, 15], device=DEVICE)

@@ -17,21 +17,20 @@ def _attn():
 
 def _check(batch, out):
     assert not torch.isnan(out).any()
-    torch.testing.assert_close(out.cpu().float(), reference_attention(batch).float(),
-                               **TOL[batch.q.dtype])
+    torch.testing.assert_close(out.cpu().float(), reference_attention(batch).float(), **TOL[batch.q.dtype])
 
 
 @pytest.mark.parametrize("splits,tile_n", [(3, None), (8, 16), (2, 32)])
 def test_split_kv_with_empty_splits(splits, tile_n):
     """More splits than key tiles: empty splits must carry no weight in the reduction."""
-    batch = make_batch([(0, 1), (20, 1), (40, 1)], group=4, block_size=16,
-                       dtype=torch.float16, seed=1)
+    batch = make_batch([(0, 1), (20, 1), (40, 1)], group=4, block_size=16, dtype=torch.float16, seed=1)
     _check(batch, _attn()(*batch.args(), num_kv_splits=splits, tile_n=tile_n))
 
 
 def test_split_kv_long_context_decode():
-    batch = make_batch([(199, 1), (95, 1)], num_kv_heads=1, group=8, head_dim=128,
-                       block_size=16, dtype=torch.float16, seed=2)
+    batch = make_batch(
+        [(199, 1), (95, 1)], num_kv_heads=1, group=8, head_dim=128, block_size=16, dtype=torch.float16, seed=2
+    )
     for splits in (1, 4):
         _check(batch, _attn()(*batch.args(), num_kv_splits=splits, tile_n=16))
 
@@ -59,15 +58,20 @@ def test_decode_split_count_is_what_the_kernel_chooses(monkeypatch, dtype, num_k
     import kernels.paged_attention as pa
     from kernels.triton_ops import decode_num_kv_splits
 
-    chosen = []
+    chosen: list[int] = []
     choose = pa.choose_num_kv_splits
-    monkeypatch.setattr(pa, "choose_num_kv_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+
+    def recording_choose(*args: int) -> int:
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(pa, "choose_num_kv_splits", recording_choose)
     for reqs in ([(60, 1)], [(60, 1), (130, 1)], [(5, 1)] * 4):
-        batch = make_batch(reqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                           dtype=dtype, seed=9)
+        batch = make_batch(reqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype, seed=9)
         _attn()(*batch.args())
-        predicted = decode_num_kv_splits(len(reqs), num_kv_heads * group, num_kv_heads, head_dim,
-                                         dtype, batch.max_seq_len, torch.device(DEVICE))
+        predicted = decode_num_kv_splits(
+            len(reqs), num_kv_heads * group, num_kv_heads, head_dim, dtype, batch.max_seq_len, torch.device(DEVICE)
+        )
         assert predicted == chosen[-1], (reqs, predicted, chosen[-1])
     assert any(c > 1 for c in chosen) or num_kv_heads == 8
 
@@ -76,8 +80,15 @@ def test_decode_split_count_is_what_the_kernel_chooses(monkeypatch, dtype, num_k
 @pytest.mark.parametrize("group,head_dim,block_size", [(3, 80, 7), (2, 96, 3), (16, 32, 16)])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_non_power_of_two_shapes(dtype, group, head_dim, block_size, splits):
-    batch = make_batch([(0, 9), (11, 1), (4, 3)], num_kv_heads=2, group=group,
-                       head_dim=head_dim, block_size=block_size, dtype=dtype, seed=4)
+    batch = make_batch(
+        [(0, 9), (11, 1), (4, 3)],
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=4,
+    )
     _check(batch, _attn()(*batch.args(), num_kv_splits=splits, block_m=16, tile_n=16))
 
 
@@ -89,8 +100,7 @@ def test_strided_q_preallocated_out_and_loose_bounds():
     q = fused[:, :hq]  # non-contiguous view (as from a fused QKV projection)
     assert not q.is_contiguous()
     out = torch.full((t, hq, d), float("nan"), device=DEVICE)
-    res = _attn()(q, *batch.args()[1:7], batch.max_query_len + 9, batch.max_seq_len + 100,
-                  out=out)
+    res = _attn()(q, *batch.args()[1:7], batch.max_query_len + 9, batch.max_seq_len + 100, out=out)
     assert res is out
     _check(batch, out)
 
@@ -117,20 +127,47 @@ def test_chunked_prefill_matches_full_prefill():
     out_full = _attn()(*full.args(), block_m=16, tile_n=16)
     for cut in (8, 13):
         qsl = torch.tensor([0, cut], dtype=torch.int32, device=DEVICE)
-        first = _attn()(full.q[:cut], full.k_cache, full.v_cache, full.block_tables, qsl,
-                        torch.tensor([cut], dtype=torch.int32, device=DEVICE),
-                        full.scale, cut, cut)
+        first = _attn()(
+            full.q[:cut],
+            full.k_cache,
+            full.v_cache,
+            full.block_tables,
+            qsl,
+            torch.tensor([cut], dtype=torch.int32, device=DEVICE),
+            full.scale,
+            cut,
+            cut,
+        )
         qsl = torch.tensor([0, 21 - cut], dtype=torch.int32, device=DEVICE)
-        second = _attn()(full.q[cut:], full.k_cache, full.v_cache, full.block_tables, qsl,
-                         full.seq_lens, full.scale, 21 - cut, 21, block_m=16, tile_n=16)
-        torch.testing.assert_close(torch.cat([first, second]), out_full,
-                                   **TOL[torch.float32])
+        second = _attn()(
+            full.q[cut:],
+            full.k_cache,
+            full.v_cache,
+            full.block_tables,
+            qsl,
+            full.seq_lens,
+            full.scale,
+            21 - cut,
+            21,
+            block_m=16,
+            tile_n=16,
+        )
+        torch.testing.assert_close(torch.cat([first, second]), out_full, **TOL[torch.float32])
 
 
 def test_int64_metadata():
     """The engine may hand int64 block tables / offsets / lengths: same result."""
     batch = make_batch([(3, 2), (0, 5), (12, 1)], group=4, block_size=4, seed=9)
     meta = [batch.block_tables.long(), batch.query_start_loc.long(), batch.seq_lens.long()]
-    out = _attn()(batch.q, batch.k_cache, batch.v_cache, *meta, batch.scale,
-                  batch.max_query_len, batch.max_seq_len, num_kv_splits=2, tile_n=16)
+    out = _attn()(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        *meta,
+        batch.scale,
+        batch.max_query_len,
+        batch.max_seq_len,
+        num_kv_splits=2,
+        tile_n=16,
+    )
     _check(batch, out)

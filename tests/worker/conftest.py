@@ -71,7 +71,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
 @pytest.fixture
 def db_engine(db_url: str):
     """An engine on a database migrated to head."""
-    from worker.store.db import create_db_engine
+    from worker.store.database import create_db_engine
     from worker.store.schema import upgrade_database
 
     upgrade_database(db_url)
@@ -157,7 +157,8 @@ def shared_bucket(s3_client) -> str:
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path):
     """An empty root object store: a local directory, or a fresh prefix in an S3 bucket."""
-    from worker.store.objects import LocalStore, S3Store
+    from worker.store.objects.local import LocalStore
+    from worker.store.objects.s3 import S3Store
 
     if request.param == "local":
         return LocalStore(tmp_path / "objects")
@@ -210,7 +211,7 @@ def amqp_broker() -> Iterator[dict]:
             try:
                 channel.queue_delete(name)
                 channel.exchange_delete(name)
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:
                 channel = conn.channel()
 
 
@@ -247,8 +248,8 @@ def embedded_stack(tmp_path, tiny_model):
 
 def _service_stack(tmp_path, tiny_model, pg_url, broker: dict, storage_url: str, extra_env: dict):
     from tests.worker.helpers import Stack, make_values
-    from worker.queues import canonical_model, queue_name
-
+    from worker.broker.queues import queue_name
+    from worker.jobs.model_names import canonical_model
     from worker.store.schema import upgrade_database
 
     upgrade_database(pg_url)  # what `conveyor db upgrade` does; workers refuse an empty schema
@@ -282,6 +283,22 @@ def pg_sqs_s3_stack(tmp_path, tiny_model, pg_url, sqs_broker, s3_bucket, aws_env
 
 
 @pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch):
+    """``env(stack)`` points the CLI at a stack through CONVEYOR_* variables, as a user would."""
+
+    def use(stack, **overrides):
+        for name in list(os.environ):
+            if name.startswith("CONVEYOR_"):
+                monkeypatch.delenv(name)
+        for name, value in stack.env(**overrides).items():
+            if name.startswith(("CONVEYOR_", "AWS_")):
+                monkeypatch.setenv(name, value)
+        return stack
+
+    return use
+
+
+@pytest.fixture
 def spawn_worker(tmp_path):
     """``spawn_worker(stack, **kw)`` starts a worker subprocess; all are stopped after the
     test, pass or fail (and die with the test process if it is killed)."""
@@ -300,6 +317,24 @@ def spawn_worker(tmp_path):
         proc.terminate()
     for proc in procs:
         proc.stop()
+
+
+@pytest.fixture
+def tcp_proxy():
+    """``tcp_proxy(host, port)`` starts a ``TcpProxy`` to that service (a test cuts it for an
+    outage); all are closed after the test."""
+    from tests.worker.tcp_proxy import TcpProxy
+
+    proxies: list[TcpProxy] = []
+
+    def start(host: str, port: int) -> TcpProxy:
+        proxy = TcpProxy(host, port)
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.close()
 
 
 def pytest_configure(config) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -15,7 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.settings import Settings
+from sqlalchemy import func, select
+
+from worker.batchio.records import LineError, ParsedRequest
+from worker.core.settings import Settings
+from worker.store.models import Item, ItemStatus
+from worker.store.objects.base import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -75,21 +81,22 @@ def make_values(home: Path, model: str, **overrides: Any) -> dict[str, Any]:
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it if the test process dies (no orphans)."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
     os.setsid()
 
 
 class WorkerProc:
     """A worker in a subprocess (``conveyor worker`` or plain ``celery -A worker.app worker``)."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, *, plain_celery: bool = False, concurrency: int = 2) -> None:
+    def __init__(
+        self, env: dict[str, str], log_path: Path, *, plain_celery: bool = False, concurrency: int = 2
+    ) -> None:
         if plain_celery:
-            argv = [PYTHON, "-m", "celery", "-A", "worker.app", "worker", "--loglevel=INFO", "--without-mingle", "--without-gossip"]
+            args = ["celery", "-A", "worker.app", "worker", "--loglevel=INFO", "--without-mingle", "--without-gossip"]
         else:
-            argv = [PYTHON, "-m", "worker.cli", "worker", "--concurrency", str(concurrency), "--loglevel", "INFO"]
+            args = ["worker.entrypoints.cli", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
+        argv = [PYTHON, "-m", *args]
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -121,10 +128,8 @@ class WorkerProc:
     def terminate(self) -> None:
         """Ask for a warm shutdown (SIGTERM to its process group)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
 
     def stop(self, grace: float = 1.5) -> None:
         """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds."""
@@ -132,39 +137,58 @@ class WorkerProc:
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait(10)
         self._log.close()
 
 
-def openai_lines(n: int, *, max_tokens: int = 8, ignore_eos: bool = False, prefix: str = "req") -> list[dict[str, Any]]:
-    """``n`` OpenAI Batch lines alternating chat and completions, greedy."""
+def openai_lines(
+    n: int,
+    *,
+    max_tokens: int = 8,
+    ignore_eos: bool = False,
+    prefix: str = "req",
+    url: str = "/v1/chat/completions",
+) -> list[dict[str, Any]]:
+    """``n`` greedy OpenAI Batch lines to one endpoint (as a batch file must hold)."""
     lines = []
     for i in range(n):
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
         if ignore_eos:
             body["ignore_eos"] = True
-        if i % 2:
+        if url == "/v1/chat/completions":
             body["messages"] = [{"role": "user", "content": f"Bring soup number {i} to the guest"}]
-            url = "/v1/chat/completions"
         else:
             body["prompt"] = f"The chef cooks dish {i} and"
-            url = "/v1/completions"
         lines.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": body})
     return lines
 
 
+def read_object(store: ObjectStore, key: str) -> bytes:
+    """A whole stored object (tests only: production code streams)."""
+    with store.open_read(key) as f:
+        return f.read()
+
+
 def jsonl(rows: list[Any]) -> bytes:
-    return b"".join(
-        (row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n" for row in rows
-    )
+    return b"".join((row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n" for row in rows)
 
 
 def parse_lines(lines: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
+
+
+def as_request(row: ParsedRequest | LineError) -> ParsedRequest:
+    """``row`` from ``iter_input``, checked to be a parsed request."""
+    assert isinstance(row, ParsedRequest), row
+    return row
+
+
+def as_line_error(row: ParsedRequest | LineError) -> LineError:
+    """``row`` from ``iter_input``, checked to be a rejected line."""
+    assert isinstance(row, LineError), row
+    return row
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
@@ -176,3 +200,27 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll)
+
+
+def stored_items(db: Any, job_id: str) -> int:
+    """Item rows stored for a job so far."""
+    with db.connect() as conn:
+        return conn.execute(select(func.count()).select_from(Item).where(Item.job_id == job_id)).scalar_one()
+
+
+def assert_each_request_once(client: Any, db: Any, job: dict[str, Any], n: int) -> None:
+    """``job`` (finished) completed with each of its ``n`` requests (``req-0``...) succeeded and
+    stored exactly once: one item row each, results in input order, no errors-file line."""
+    job_id = job["id"]
+    assert job["status"] == "completed", job
+    assert job["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    ids = [r["custom_id"] for r in parse_lines(client.results(job_id))]
+    assert ids == [f"req-{i}" for i in range(n)]  # each exactly once, in input order
+    assert parse_lines(client.results(job_id, errors=True)) == []
+    with db.connect() as conn:
+        per_item = conn.execute(
+            select(Item.custom_id, func.count()).where(Item.job_id == job_id).group_by(Item.custom_id)
+        ).all()
+        statuses = set(conn.execute(select(Item.status).where(Item.job_id == job_id)).scalars())
+    assert len(per_item) == n and {count for _, count in per_item} == {1}
+    assert statuses == {ItemStatus.succeeded}

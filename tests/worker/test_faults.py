@@ -8,17 +8,13 @@ from collections import Counter
 
 from sqlalchemy import func, select
 
-from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
-from worker.client import Client
-from worker.store.db import Item, ItemStatus, Job, Shard, create_db_engine
+from tests.worker.helpers import jsonl, openai_lines, parse_lines, stored_items, wait_for
+from worker.entrypoints.client import Client
+from worker.store.database import create_db_engine
+from worker.store.models import Item, ItemStatus, Job, Shard
 
 # Slow enough to be caught mid-flight: one sequence at a time, long generations (ignore_eos).
 SLOW_ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 1}
-
-
-def _stored(db, job_id: str) -> int:
-    with db.connect() as conn:
-        return conn.execute(select(func.count()).select_from(Item).where(Item.job_id == job_id)).scalar()
 
 
 def test_two_workers_share_one_queue(pg_redis_s3_stack, spawn_worker) -> None:
@@ -52,9 +48,9 @@ def test_sigkilled_worker_is_replaced_and_every_item_is_stored_once(embedded_sta
     n = 32
     job = client.submit(jsonl(openai_lines(n, max_tokens=160, ignore_eos=True)), stack.model, shard_size=4)
     db = create_db_engine(stack.settings.database)
-    wait_for(lambda: _stored(db, job["id"]) >= 3, 60, "the first items")
+    wait_for(lambda: stored_items(db, job["id"]) >= 3, 60, "the first items")
     first.kill9()
-    killed_at = _stored(db, job["id"])
+    killed_at = stored_items(db, job["id"])
     assert killed_at < n, "the job finished before the worker was killed; make it slower"
 
     second = spawn_worker(stack, concurrency=2)
@@ -68,7 +64,7 @@ def test_sigkilled_worker_is_replaced_and_every_item_is_stored_once(embedded_sta
         workers = set(conn.execute(select(Item.worker_id).where(Item.job_id == job["id"])).scalars())
         attempts = conn.execute(select(func.max(Shard.attempts)).where(Shard.job_id == job["id"])).scalar()
     assert len(workers) == 2, workers  # both did part of it
-    assert attempts >= 2, "a shard the dead worker held should have been run again"
+    assert attempts is not None and attempts >= 2, "a shard the dead worker held should have been run again"
     assert "expired leases" in second.log() or "lost messages" in second.log()
     db.dispose()
     client.close()
@@ -82,7 +78,7 @@ def test_cancel_aborts_in_flight_items_and_keeps_results(pg_redis_s3_stack, spaw
     n = 40
     job = client.submit(jsonl(openai_lines(n, max_tokens=240, ignore_eos=True)), stack.model, shard_size=4)
     db = create_db_engine(stack.settings.database)
-    wait_for(lambda: _stored(db, job["id"]) >= 2, 60, "the first items")
+    wait_for(lambda: stored_items(db, job["id"]) >= 2, 60, "the first items")
     t0 = time.monotonic()
     cancelled = client.cancel(job["id"])
     assert cancelled["status"] in ("cancelling", "cancelled")
@@ -90,14 +86,14 @@ def test_cancel_aborts_in_flight_items_and_keeps_results(pg_redis_s3_stack, spaw
     took = time.monotonic() - t0
     assert job["status"] == "cancelled", job
     assert took < 10, f"cancel took {took:.1f} s"
-    done = _stored(db, job["id"])
+    done = stored_items(db, job["id"])
     assert 2 <= done < n
     counts = job["request_counts"]
     assert counts["total"] == n and counts["completed"] + counts["failed"] == done
     results = parse_lines(client.results(job["id"]))
     assert len(results) == counts["completed"] and all(r["response"]["status_code"] == 200 for r in results)
     time.sleep(1.0)
-    assert _stored(db, job["id"]) == done, "items kept finishing after the cancel"
+    assert stored_items(db, job["id"]) == done, "items kept finishing after the cancel"
     with db.connect() as conn:
         assert conn.execute(select(Job.cancelled_at).where(Job.id == job["id"])).scalar() is not None
         statuses = Counter(conn.execute(select(Item.status).where(Item.job_id == job["id"])).scalars())
@@ -112,8 +108,8 @@ def test_lost_broker_messages_are_enqueued_again(pg_redis_s3_stack, spawn_worker
     without persistence that restarted, say): a worker's sweeper finds the queue empty and
     the shards still pending a whole lease period after they were enqueued, and enqueues
     them again. Nothing is lost and nothing is done twice."""
-    from worker.app import create_app, model_queue
-    from worker.service import queue_depth
+    from worker.broker.app import create_app
+    from worker.broker.queues import model_queue, queue_depth
 
     stack = pg_redis_s3_stack
     client = Client(stack.settings)

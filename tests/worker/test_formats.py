@@ -13,24 +13,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.formats import (
-    CHAT,
-    COMPLETIONS,
+from tests.worker.helpers import as_line_error, as_request
+from worker.batchio.output_lines import (
     Choice,
-    InputError,
-    InputTooLarge,
-    LineError,
-    ParsedRequest,
-    detect_format,
     dumps_line,
     error_line,
-    iter_input,
+    failed_request_line,
     line_error_line,
     output_line,
     response_body,
     stable_id,
 )
-from worker.settings import InputLimits
+from worker.batchio.readers import detect_format, iter_input
+from worker.batchio.records import InputError, InputTooLarge, LineError, ParsedRequest
+from worker.batchio.request_body import CHAT, COMPLETIONS
+from worker.core.limits import InputLimits
 
 LIMITS = InputLimits(max_line_bytes=2048, max_lines=100, max_input_bytes=1 << 20, max_tokens=4096)
 
@@ -113,15 +110,24 @@ def test_plain_jsonl_rows() -> None:
         {"messages": [{"role": "user", "content": "hey"}], "id": 17},
         {"prompt": "p3", "custom_id": "mine"},
     )
-    assert [(r.line, r.custom_id, r.endpoint) for r in rows] == [
+    assert [(r.line, r.custom_id, r.endpoint) for r in map(as_request, rows)] == [
         (1, "line-1", COMPLETIONS), (4, "17", CHAT), (5, "mine", COMPLETIONS),
     ]  # fmt: skip
-    assert rows[0].sampling == {"max_tokens": 8}
+    assert as_request(rows[0]).sampling == {"max_tokens": 8}
+
+
+def test_a_batch_line_without_a_body_names_the_body_and_plain_rows_may_have_a_url() -> None:
+    err = as_line_error(one({"custom_id": "r1", "method": "POST", "url": CHAT}))
+    assert (err.code, err.param, err.custom_id) == ("missing_prompt", "body", "r1")
+    row = as_request(one({"prompt": "p", "url": "https://example.com/page"}))  # a dataset's own column
+    assert (row.custom_id, row.endpoint, row.prompt) == ("line-1", COMPLETIONS, "p")
+    no_prompt = as_line_error(one({"text": "t", "url": "https://example.com/page"}))
+    assert (no_prompt.code, no_prompt.param) == ("missing_prompt", "prompt")
 
 
 def test_byte_order_mark_and_crlf() -> None:
     rows = parse(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
-    assert [r.prompt for r in rows] == ["a", "b"]
+    assert [as_request(r).prompt for r in rows] == ["a", "b"]
 
 
 def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,6 +135,7 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
     if not path.is_file():
         pytest.skip("engine/sampling_params.py is not there yet")
     spec = importlib.util.spec_from_file_location("_sampling_params_under_test", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # without importing engine (torch)
     spec.loader.exec_module(module)
@@ -154,7 +161,7 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
         (b"[1, 2]\n", "invalid_request", "JSON object"),
         (b'"just a string"\n', "invalid_request", "JSON object"),
         (b'{"prompt": "\xff"}\n', "invalid_encoding", "UTF-8"),
-        (b"\xff\xfe{}\n", "invalid_encoding", "UTF-8"),
+        (b'{"prompt": "ok"} \xff\xfe\n', "invalid_encoding", "UTF-8"),  # a file starting \xff\xfe is UTF-16
         (b"[" * 100_000 + b"\n", "line_too_long", "longer than"),
         (batch_line(url="/v1/embeddings"), "invalid_value", "url must be one of"),
         (batch_line(method="GET"), "invalid_value", 'method must be "POST"'),
@@ -163,6 +170,8 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
         (batch_line(custom_id="x" * 513), "invalid_value", "longer than 512"),
         (batch_line(extra_field=1), "unknown_parameter", "extra_field"),
         (batch_line(body=[]), "invalid_request", "body must be a JSON object"),
+        ({"custom_id": "r1", "method": "POST", "url": CHAT}, "missing_prompt", "needs a body with a prompt"),
+        ({"custom_id": "r1", "url": COMPLETIONS}, "missing_prompt", "needs a body with a prompt or messages"),
         (batch_line(body={"prompt": "p"}), "missing_prompt", "needs messages"),
         (batch_line(url=COMPLETIONS, body={"messages": []}), "missing_prompt", "needs a prompt"),
         (batch_line(url=COMPLETIONS, body={"prompt": ""}), "invalid_value", "prompt is empty"),
@@ -224,7 +233,7 @@ def test_a_bad_line_never_stops_the_rest_and_keeps_its_custom_id() -> None:
     )
     assert [type(r).__name__ for r in rows] == ["ParsedRequest", "LineError", "LineError", "LineError", "ParsedRequest"]
     assert [r.line for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[2].custom_id == "b" and rows[2].param == "n"
+    assert rows[2].custom_id == "b" and as_line_error(rows[2]).param == "n"
 
 
 def test_duplicate_custom_ids_are_rejected_naming_the_first_line() -> None:
@@ -241,7 +250,24 @@ def test_duplicate_custom_ids_are_rejected_naming_the_first_line() -> None:
 
 def test_a_rejected_line_still_claims_its_custom_id() -> None:
     rows = parse(batch_line("a", method="GET"), batch_line("a"))
-    assert [r.code for r in rows] == ["invalid_value", "duplicate_custom_id"]
+    assert [as_line_error(r).code for r in rows] == ["invalid_value", "duplicate_custom_id"]
+
+
+def test_batch_lines_share_one_url_and_a_line_asking_for_another_is_its_own_error() -> None:
+    completion = batch_line("c", url=COMPLETIONS, body={"prompt": "p"})
+    rows = parse(batch_line("a"), {"prompt": "plain rows do not count"}, b"\n", batch_line("b"), completion)
+    assert [as_request(r).custom_id for r in rows[:3]] == ["a", "line-2", "b"]
+    mismatch = as_line_error(rows[3])
+    assert (mismatch.code, mismatch.line, mismatch.param, mismatch.custom_id) == ("url_mismatch", 5, "url", "c")
+    assert "/v1/completions" in mismatch.message and "line 1" in mismatch.message and "one endpoint" in mismatch.message
+    # A line rejected for its body still fixes the url; a url we do not serve is only a line error.
+    rows = parse(batch_line("a", body={"messages": []}), completion)
+    assert [as_line_error(r).code for r in rows] == ["invalid_value", "url_mismatch"]
+    rows = parse(batch_line("x", url="/v1/embeddings"), completion, batch_line("y", url=None))
+    assert [type(r).__name__ for r in rows] == ["LineError", "ParsedRequest", "LineError"]
+    # Plain rows may mix prompts and messages (each runs as its own endpoint).
+    rows = parse({"prompt": "p"}, {"messages": [{"role": "user", "content": "x"}]})
+    assert [as_request(r).endpoint for r in rows] == [COMPLETIONS, CHAT]
 
 
 # ---- limits -------------------------------------------------------------------------------
@@ -265,7 +291,7 @@ def test_line_byte_limit_counts_the_line_without_its_newline() -> None:
     exact = b'{"prompt": "' + b"x" * (64 - 14) + b'"}\r\n'
     assert len(exact.rstrip()) == 64
     ok, long_ = parse(exact, b'{"prompt": "' + b"x" * (64 - 13) + b'"}', limits=limits)
-    assert isinstance(ok, ParsedRequest) and long_.code == "line_too_long"
+    assert isinstance(ok, ParsedRequest) and isinstance(long_, LineError) and long_.code == "line_too_long"
 
 
 def test_parsing_streams_without_reading_the_whole_input() -> None:
@@ -322,13 +348,17 @@ def test_csv_with_a_prompt_column() -> None:
         (2, "ParsedRequest"), (5, "ParsedRequest"), (6, "LineError"), (7, "LineError"), (8, "LineError"),
         (9, "LineError"),
     ]  # fmt: skip
-    assert rows[0].prompt == "multi\nline prompt" and rows[0].custom_id == "r1"
-    assert rows[0].sampling == {"max_tokens": LIMITS.default_max_tokens, "temperature": 0.2, "stop": ["a", "b"]}
-    assert rows[1].custom_id == "line-5" and rows[1].sampling["stop"] == ["###"]
-    assert "prompt is empty" in rows[2].message and rows[2].custom_id == "r3"
-    assert rows[3].param == "temperature"
-    assert "6 fields" in rows[4].message
-    assert rows[5].code == "duplicate_custom_id"
+    assert as_request(rows[0]).prompt == "multi\nline prompt" and rows[0].custom_id == "r1"
+    assert as_request(rows[0]).sampling == {
+        "max_tokens": LIMITS.default_max_tokens,
+        "temperature": 0.2,
+        "stop": ["a", "b"],
+    }
+    assert rows[1].custom_id == "line-5" and as_request(rows[1]).sampling["stop"] == ["###"]
+    assert "prompt is empty" in as_line_error(rows[2]).message and rows[2].custom_id == "r3"
+    assert as_line_error(rows[3]).param == "temperature"
+    assert "6 fields" in as_line_error(rows[4]).message
+    assert as_line_error(rows[5]).code == "duplicate_custom_id"
 
 
 def test_csv_without_a_prompt_column_is_refused() -> None:
@@ -343,7 +373,7 @@ def test_csv_unclosed_quote_is_bounded_and_parsing_resumes() -> None:
     assert [(r.line, getattr(r, "code", None)) for r in rows] == [
         (2, None), (3, "line_too_long"), (6, None), (7, None),
     ]  # fmt: skip
-    assert rows[-1].prompt == "after"
+    assert as_request(rows[-1]).prompt == "after"
 
 
 # ---- output lines -------------------------------------------------------------------------
@@ -381,13 +411,22 @@ def test_completion_output_and_error_lines() -> None:
             "/v1/embeddings", response_id="x", model="m", created=1, choices=[], prompt_tokens=0, completion_tokens=0
         )
 
-    ran = error_line("batch_1", "r9", code="prompt_too_long", message="prompt has 9000 tokens", line=9, status_code=400)
-    assert ran["response"]["status_code"] == 400
-    assert ran["response"]["body"]["error"]["code"] == "prompt_too_long"
-    assert ran["error"] == {"code": "prompt_too_long", "message": "prompt has 9000 tokens", "param": None, "line": 9}
+    # A request that ran and got an HTTP error: the error is in the response, as OpenAI's.
+    ran = failed_request_line("batch_1", "r9", status_code=400, code="prompt_too_long", message="too long", line=9)
+    assert ran["error"] is None and ran["custom_id"] == "r9"
+    assert ran["response"]["status_code"] == 400 and ran["response"]["request_id"].startswith("req_")
+    assert ran["response"]["body"] == {
+        "error": {"message": "too long", "type": "invalid_request_error", "param": None, "code": "prompt_too_long"}
+    }
+    crashed = failed_request_line("batch_1", "r9", status_code=500, code="engine_error", message="boom", line=9)
+    assert crashed["response"]["body"]["error"]["type"] == "server_error" and crashed["error"] is None
 
+    # A line that could not run at all: `error`, no response.
     (err,) = parse(b"{bad\n")
-    rejected = line_error_line("batch_1", err)
-    assert rejected["custom_id"] is None and rejected["response"] is None
+    rejected = line_error_line("batch_1", as_line_error(err))
+    assert rejected["custom_id"] == "line-1" and rejected["response"] is None
     assert rejected["error"]["line"] == 1 and rejected["error"]["code"] == "invalid_json"
+    named = error_line("batch_1", "r3", code="invalid_value", message="m", line=3, param="n")
+    assert named["response"] is None
+    assert named["error"] == {"code": "invalid_value", "message": "m", "param": "n", "line": 3}
     assert stable_id("x_", "a", "b") == stable_id("x_", "a", "b") != stable_id("x_", "ab")

@@ -7,7 +7,7 @@ import random
 import pytest
 from sqlalchemy import func, select
 
-from worker.store.db import Item, ItemStatus, Job, JobStatus, Shard, make_sessionmaker
+from worker.store.database import make_sessionmaker
 from worker.store.items import (
     ItemRecord,
     record_finished_items,
@@ -15,6 +15,7 @@ from worker.store.items import (
     stored_custom_ids,
     summarize_job,
 )
+from worker.store.models import Item, ItemStatus, Job, JobStatus, Shard
 
 
 def _make_job(engine, job_id: str = "batch_1", total: int = 4, invalid: int = 1) -> None:
@@ -37,6 +38,7 @@ def test_the_same_item_twice_is_stored_once(db_engine) -> None:
     with make_sessionmaker(db_engine)() as session:
         assert session.scalar(select(func.count()).select_from(Item)) == 2
         stored = session.get(Item, ("batch_1", "a"))
+        assert stored is not None
         assert stored.response == {"choices": [{"text": "first"}]}  # the first copy wins
         assert stored.status is ItemStatus.succeeded and stored.prompt_tokens == 3 and stored.ttft == 0.1
 
@@ -61,6 +63,7 @@ def test_request_counts_are_derived_from_items(db_engine) -> None:
     assert refresh_job_counts(db_engine, "batch_1") == (4, 2, 2)
     with make_sessionmaker(db_engine)() as session:
         job = session.get(Job, "batch_1")
+        assert job is not None
         assert job.status is JobStatus.validating and job.failed_requests == 2
 
 
@@ -69,7 +72,9 @@ def test_job_renders_as_an_openai_batch_object(db_engine) -> None:
     record_finished_items(db_engine, [_item("a", 1, prompt_tokens=5, completion_tokens=2)])
     refresh_job_counts(db_engine, "batch_1")
     with make_sessionmaker(db_engine)() as session:
-        obj = session.get(Job, "batch_1").as_batch_object()
+        job = session.get(Job, "batch_1")
+        assert job is not None
+        obj = job.as_batch_object()
     assert obj["object"] == "batch" and obj["status"] == "validating" and obj["errors"] is None
     assert obj["request_counts"] == {"total": 4, "completed": 1, "failed": 1}
     assert isinstance(obj["created_at"], int) and obj["completed_at"] is None
@@ -90,6 +95,7 @@ def test_summarize_job_sums_usage_and_latency_percentiles(db_engine) -> None:
     assert metrics["ttft"]["p50"] in (0.5, 0.6) and metrics["ttft"]["max"] == 1.0 and metrics["e2e"] is None
     with make_sessionmaker(db_engine)() as session:
         job = session.get(Job, "batch_1")
+        assert job is not None
         assert (job.prompt_tokens, job.cached_tokens, job.completion_tokens) == (100, 40, 55)
         assert job.metrics == metrics
 

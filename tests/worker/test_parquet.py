@@ -8,13 +8,14 @@ import json
 
 import pytest
 
+from tests.worker.helpers import as_request
+from worker.batchio.readers import detect_format, iter_input
+from worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
+from worker.core.limits import InputLimits
+from worker.entrypoints.cli import main
+
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-from tests.worker.test_cli import env  # noqa: E402,F401 - the CLI's environment fixture
-from worker.cli import main  # noqa: E402
-from worker.formats import InputError, InputFormat, LineError, ParsedRequest, detect_format, iter_input  # noqa: E402
-from worker.settings import InputLimits  # noqa: E402
 
 
 def _parquet(table: dict) -> bytes:
@@ -33,20 +34,27 @@ ROWS = {
 
 def test_rows_become_requests_or_numbered_errors():
     entries = list(iter_input(io.BytesIO(_parquet(ROWS)), InputLimits(), InputFormat.parquet))
-    assert [type(e).__name__ for e in entries] == ["ParsedRequest", "LineError", "LineError", "LineError", "ParsedRequest"]
+    assert [type(e).__name__ for e in entries] == [
+        "ParsedRequest",
+        "LineError",
+        "LineError",
+        "LineError",
+        "ParsedRequest",
+    ]
     first, last = entries[0], entries[4]
     assert isinstance(first, ParsedRequest) and first.line == 1 and first.custom_id == "a"
     assert first.prompt == "Tea and cake" and first.sampling["max_tokens"] == 4
     assert isinstance(last, ParsedRequest) and last.line == 5 and last.sampling["temperature"] == 0.5
     bad_value, no_prompt, duplicate = entries[1], entries[2], entries[3]
     assert isinstance(bad_value, LineError) and bad_value.line == 2 and "max_tokens" in bad_value.message
-    assert no_prompt.line == 3 and duplicate.line == 4 and duplicate.code == "duplicate_custom_id"
+    assert no_prompt.line == 3 and duplicate.line == 4
+    assert isinstance(duplicate, LineError) and duplicate.code == "duplicate_custom_id"
 
 
 def test_messages_column_and_file_level_errors():
     table = {"messages": [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Soup?"}]]}
     entries = list(iter_input(io.BytesIO(_parquet(table)), InputLimits(), InputFormat.parquet))
-    assert [e.messages for e in entries] == table["messages"]
+    assert [as_request(e).messages for e in entries] == table["messages"]
     with pytest.raises(InputError, match="no 'prompt' or 'messages' column"):
         list(iter_input(io.BytesIO(_parquet({"text": ["x"]})), InputLimits(), InputFormat.parquet))
     with pytest.raises(InputError, match="cannot read the Parquet file"):
@@ -57,7 +65,19 @@ def test_messages_column_and_file_level_errors():
     assert detect_format("data.PARQUET") is InputFormat.parquet and detect_format("x.pq") is InputFormat.parquet
 
 
-def test_a_parquet_job_end_to_end(embedded_stack, env, tmp_path):  # noqa: F811
+def test_a_row_pyarrow_cannot_convert_is_one_error_naming_the_column():
+    text = pa.array([b"Soup", b"\xff\xfe", b"Tea", b"Cake"], pa.binary()).view(pa.string())  # row 2: not UTF-8
+    when = pa.array([0, 5, 10**15, 7], pa.timestamp("s"))  # row 3: past year 9999
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"prompt": text, "when": when}), buf)
+    entries = list(iter_input(io.BytesIO(buf.getvalue()), InputLimits(), InputFormat.parquet))
+    assert [as_request(e).prompt for e in (entries[0], entries[3])] == ["Soup", "Cake"]
+    bad_text, bad_time = entries[1], entries[2]
+    assert isinstance(bad_text, LineError) and bad_text.line == 2 and "column 'prompt'" in bad_text.message
+    assert isinstance(bad_time, LineError) and bad_time.line == 3 and "column 'when'" in bad_time.message
+
+
+def test_a_parquet_job_end_to_end(embedded_stack, env, tmp_path):
     stack = env(embedded_stack)
     path = tmp_path / "requests.parquet"
     path.write_bytes(_parquet(ROWS))

@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from worker.app import create_app, model_queue
-from worker.queues import InvalidModel, canonical_model, queue_name
-from worker.settings import Settings
+from worker.broker.app import create_app
+from worker.broker.queues import model_queue, queue_name
+from worker.core.settings import Settings
+from worker.jobs.model_names import InvalidModel, canonical_model
 
 SAFE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # what RabbitMQ, Redis and SQS all accept
 
@@ -66,13 +67,14 @@ def test_prefix_must_be_broker_safe() -> None:
 
 
 def test_engine_args_come_from_json_env_and_unknown_fields_are_named(monkeypatch, tiny_model) -> None:
-    from worker.context import ConfigError, engine_config
+    from worker.core.settings import ConfigError
+    from worker.execution.context import engine_config
 
     monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"max_num_seqs": 8, "num_kv_blocks": 64}')
     config = engine_config(Settings(), tiny_model)
     assert config.max_num_seqs == 8 and config.num_kv_blocks == 64
     assert config.scheduling_policy == "priority"  # jobs carry a priority
-    with pytest.raises(ConfigError, match="unknown field.*max_seqs"):
+    with pytest.raises(ConfigError, match=r"unknown field.*max_seqs"):
         engine_config(Settings(engine_args={"max_seqs": 8}), tiny_model)
-    with pytest.raises(ConfigError, match="CONVEYOR_ENGINE_ARGS: .*block_size"):
+    with pytest.raises(ConfigError, match=r"CONVEYOR_ENGINE_ARGS: .*block_size"):
         engine_config(Settings(engine_args={"block_size": 3}), tiny_model)

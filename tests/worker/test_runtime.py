@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import wait
+from typing import cast
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from worker.runtime import EngineFailure, EngineHost, HostClosed
+from worker.execution.engine_host import EngineFailure, EngineHost, HostClosed, RequestHandle
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_abort_resolves_as_aborted_and_frees_the_slot(host) -> None:
 
 
 def test_on_done_callback_gets_each_handle(host) -> None:
-    seen = []
+    seen: list[RequestHandle] = []
     hs = [host.submit(f"bread {i}", GREEDY, on_done=seen.append) for i in range(5)]
     wait([h.future for h in hs], timeout=30)
     time.sleep(0.05)
@@ -135,7 +136,7 @@ class _FakeEngine:
 
 def test_idle_loop_sleeps_instead_of_spinning() -> None:
     fake = _FakeEngine()
-    host = EngineHost(fake)
+    host = EngineHost(cast("LLMEngine", fake))  # a duck-typed stand-in for the engine methods the host calls
     try:
         assert host.submit("x", GREEDY).future.result(5).outputs[0].text == "x"
         before = fake.calls
@@ -147,7 +148,7 @@ def test_idle_loop_sleeps_instead_of_spinning() -> None:
 
 def test_a_failing_step_fails_every_in_flight_future_and_the_loop_survives() -> None:
     fake = _FakeEngine(fail_step=True)
-    host = EngineHost(fake)
+    host = EngineHost(cast("LLMEngine", fake))  # a duck-typed stand-in for the engine methods the host calls
     try:
         hs = [host.submit(f"p{i}", GREEDY) for i in range(3)]
         for h in hs:
@@ -160,10 +161,15 @@ def test_a_failing_step_fails_every_in_flight_future_and_the_loop_survives() -> 
         host.close()
 
 
-def test_close_fails_what_is_left_and_refuses_new_requests() -> None:
+def test_close_fails_what_is_left_and_refuses_new_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeEngine()
-    fake.step = lambda: time.sleep(0.2) or []  # never finishes anything
-    host = EngineHost(fake)
+
+    def step() -> list:
+        time.sleep(0.2)
+        return []  # never finishes anything
+
+    monkeypatch.setattr(fake, "step", step)
+    host = EngineHost(cast("LLMEngine", fake))  # a duck-typed stand-in for the engine methods the host calls
     h = host.submit("forever", GREEDY)
     time.sleep(0.05)
     host.close()
@@ -171,3 +177,14 @@ def test_close_fails_what_is_left_and_refuses_new_requests() -> None:
         h.future.result(5)
     with pytest.raises(HostClosed):
         host.submit("late", GREEDY)
+
+
+def test_text_the_tokenizer_cannot_take_is_rejected_alone(host) -> None:
+    """A lone surrogate (a JSON \\udce9 escape) is a rejected request (a 400 in the job path),
+    not an engine failure that fails everything in flight."""
+    good = host.submit("A chef and a waiter", GREEDY)
+    bad = host.submit("caf\udce9", GREEDY)
+    rejected = bad.future.result(30)
+    assert rejected.rejected and rejected.error is not None and "lone surrogate" in rejected.error
+    done = good.future.result(30)
+    assert not done.rejected and done.outputs[0].finished and len(done.outputs[0].token_ids) == 8

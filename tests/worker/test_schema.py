@@ -7,7 +7,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from worker.store.db import Base, create_db_engine
+from worker.store.database import create_db_engine
+from worker.store.models import Base
 from worker.store.schema import SchemaError, check_schema, current_revision, head_revision, upgrade_database
 
 
@@ -58,5 +59,28 @@ def test_schema_error_never_shows_the_password(pg_url: str) -> None:
         with pytest.raises(SchemaError) as info:
             check_schema(engine)
         assert "s3cret" not in str(info.value) and "***" in str(info.value)
+    finally:
+        engine.dispose()
+
+
+def test_upgrading_keeps_old_jobs_valid_batch_objects(db_url: str) -> None:
+    """Jobs stored before completion windows (revision 0001) get the 24h window OpenAI's
+    batches had, its expiry, and an endpoint (mixed-endpoint jobs stored none)."""
+    assert upgrade_database(db_url, "0001") == "0001"
+    engine = create_db_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, status, model, priority, endpoint, shard_size, num_shards,"
+                    " total_requests, completed_requests, failed_requests, invalid_requests, prompt_tokens,"
+                    " cached_tokens, completion_tokens, created_at, updated_at) VALUES"
+                    " ('batch_old', 'completed', 'm', 0, NULL, 4, 0, 0, 0, 0, 0, 0, 0, 0, 1000.5, 1000.5)"
+                )
+            )
+        assert upgrade_database(db_url) == head_revision()
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT completion_window, expires_at, endpoint FROM jobs")).one()
+        assert tuple(row) == ("24h", 1000.5 + 86400, "/v1/chat/completions")
     finally:
         engine.dispose()

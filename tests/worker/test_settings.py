@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from worker.settings import Settings, redact_url
+from worker.core.settings import Settings, redact_url
 
 
 @pytest.fixture(autouse=True)

@@ -11,13 +11,13 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
-from worker.client import Client
-from worker.context import WorkerContext
-from worker.runtime import RequestHandle
-from worker.shards import RetryShard, run_shard
-from worker.store.db import ItemStatus, Job, Shard, ShardStatus
+from worker.entrypoints.client import Client
+from worker.execution.context import WorkerContext
+from worker.execution.engine_host import RequestHandle
+from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
 from worker.store.items import ItemRecord, record_finished_items
 from worker.store.leases import acquire_lease
+from worker.store.models import ItemStatus, Job, Shard, ShardStatus
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_items_already_stored_are_not_run_again(queued) -> None:
 
 
 def test_a_live_lease_elsewhere_means_skip_and_an_expired_one_is_taken_over(queued) -> None:
-    client, ctx, job = queued
+    _client, ctx, job = queued
     assert acquire_lease(ctx.db, job["id"], 0, "other-worker", ttl=60)
     skipped = run_shard(ctx, job["id"], 0)
     assert skipped.status == "skipped" and "another worker" in skipped.reason
@@ -66,7 +66,9 @@ def test_a_live_lease_elsewhere_means_skip_and_an_expired_one_is_taken_over(queu
     taken = run_shard(ctx, job["id"], 1)
     assert taken.status == "completed" and taken.items == 4
     with ctx.db.connect() as conn:
-        attempts = conn.execute(select(Shard.attempts).where(Shard.job_id == job["id"], Shard.shard_index == 1)).scalar()
+        attempts = conn.execute(
+            select(Shard.attempts).where(Shard.job_id == job["id"], Shard.shard_index == 1)
+        ).scalar()
     assert attempts == 2
 
 
@@ -74,7 +76,8 @@ class _StuckHost:
     """A host whose requests never finish (or whose submit fails)."""
 
     def __init__(self, fail: bool = False) -> None:
-        self.fail, self.aborted = fail, []
+        self.fail = fail
+        self.aborted: list[RequestHandle] = []
         self.pid, self.alive, self.tokenizer = os.getpid(), True, None
 
     def submit(self, prompt, params, *, priority=0, tag=None, on_done=None):
@@ -98,22 +101,24 @@ def test_failed_attempts_are_retried_then_the_items_fail_and_the_job_goes_on(emb
         run_shard(ctx, job["id"], 0)
     with ctx.db.connect() as conn:
         status, error = conn.execute(select(Shard.status, Shard.error).where(Shard.job_id == job["id"])).one()
-    assert status is ShardStatus.pending and "engine exploded" in error
+    assert status is ShardStatus.pending and error is not None and "engine exploded" in error
     outcome = run_shard(ctx, job["id"], 0)
     assert outcome.status == "failed" and outcome.finalized
     final = client.status(job["id"])
     assert final["status"] == "completed" and final["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
     errors = parse_lines(client.results(job["id"], errors=True))
-    assert {e["error"]["code"] for e in errors} == {"shard_failed"} and "engine exploded" in errors[0]["error"]["message"]
+    failures = {(e["error"], e["response"]["status_code"], e["response"]["body"]["error"]["code"]) for e in errors}
+    assert failures == {(None, 500, "shard_failed")}
+    assert "engine exploded" in errors[0]["response"]["body"]["error"]["message"]
     ctx.close()
     client.close()
 
 
 def test_a_lost_lease_stops_the_shard_and_aborts_its_items(queued) -> None:
-    client, ctx, job = queued
+    _client, ctx, job = queued
     host = _StuckHost()
     ctx.host_factory = lambda: host
-    box = {}
+    box: dict[str, ShardOutcome] = {}
     runner = threading.Thread(target=lambda: box.setdefault("outcome", run_shard(ctx, job["id"], 0)))
     runner.start()
     wait_for(lambda: len(host.aborted) == 0 and _owner(ctx, job["id"]), 10, "the lease")
@@ -130,9 +135,12 @@ def _owner(ctx, job_id: str):
 
 
 def test_a_job_for_another_model_is_left_alone(queued, embedded_stack) -> None:
-    client, ctx, job = queued
+    _client, ctx, job = queued
     with ctx.db.begin() as conn:
         conn.execute(update(Job).where(Job.id == job["id"]).values(model="Other/model"))
     assert run_shard(ctx, job["id"], 0).status == "skipped"
     with ctx.db.connect() as conn:
-        assert conn.execute(select(Shard.status).where(Shard.job_id == job["id"], Shard.shard_index == 0)).scalar() is ShardStatus.pending
+        assert (
+            conn.execute(select(Shard.status).where(Shard.job_id == job["id"], Shard.shard_index == 0)).scalar()
+            is ShardStatus.pending
+        )

@@ -8,11 +8,11 @@ import pytest
 from sqlalchemy import select, update
 
 from tests.worker.helpers import jsonl, openai_lines
-from worker.client import Client
-from worker.context import WorkerContext
-from worker.store.db import Job, JobStatus, Shard, ShardStatus
+from worker.entrypoints.client import Client
+from worker.execution.context import WorkerContext
+from worker.jobs.sweeper import Sweeper
 from worker.store.leases import acquire_lease
-from worker.sweeper import Sweeper
+from worker.store.models import Job, JobStatus, Shard, ShardStatus
 
 
 class _Recorder:
@@ -23,7 +23,9 @@ class _Recorder:
 
     def sweeper(self, ctx: WorkerContext) -> Sweeper:
         return Sweeper(
-            ctx,
+            ctx.db,
+            ctx.model,
+            ctx.settings,
             enqueue_shard=lambda j, i: self.shards.append((j, i)),
             enqueue_finalize=lambda j, redo: self.finals.append((j, redo)),
             queue_depth=lambda: self.depth,
@@ -55,7 +57,9 @@ def test_expired_leases_are_handed_back_once(setup) -> None:
     assert b.sweep_once().expired == []
     assert rec.shards == [(job["id"], 0)]
     with ctx.db.connect() as conn:
-        row = conn.execute(select(Shard.status, Shard.lease_owner).where(Shard.job_id == job["id"], Shard.shard_index == 0)).one()
+        row = conn.execute(
+            select(Shard.status, Shard.lease_owner).where(Shard.job_id == job["id"], Shard.shard_index == 0)
+        ).one()
     assert row.status is ShardStatus.pending and row.lease_owner is None
 
 
@@ -83,7 +87,7 @@ def test_other_models_jobs_are_not_touched(setup) -> None:
 
 
 def test_stalled_finalisation_is_redone_and_a_missed_one_is_started(setup, embedded_stack) -> None:
-    client, ctx, job = setup
+    _client, ctx, job = setup
     with ctx.db.begin() as conn:
         conn.execute(update(Shard).where(Shard.job_id == job["id"]).values(status=ShardStatus.completed))
         conn.execute(update(Job).where(Job.id == job["id"]).values(updated_at=time.time() - 3600))
@@ -98,3 +102,51 @@ def test_stalled_finalisation_is_redone_and_a_missed_one_is_started(setup, embed
         )
     assert rec.sweeper(ctx).sweep_once().refinalize == [job["id"]]
     assert rec.finals == [(job["id"], False), (job["id"], True)]
+
+
+def test_an_expired_lease_counts_a_death_and_charges_the_item_running_alone(setup) -> None:
+    from worker.store.crashes import crash_counts, set_solo_item
+
+    _client, ctx, job = setup
+    assert acquire_lease(ctx.db, job["id"], 0, "dead", ttl=1, at=time.time() - 60)
+    set_solo_item(ctx.db, job["id"], 0, "dead", "req-1")
+    assert _Recorder(depth=3).sweeper(ctx).sweep_once().expired == [(job["id"], 0)]
+    assert crash_counts(ctx.db, job["id"], 0) == {"req-1": 1}
+    with ctx.db.connect() as conn:
+        deaths, failures, solo = conn.execute(
+            select(Shard.deaths, Shard.failures, Shard.solo_item).where(
+                Shard.job_id == job["id"], Shard.shard_index == 0
+            )
+        ).one()
+    assert (deaths, failures, solo) == (1, 0, None)
+
+
+def test_after_a_database_outage_leases_get_a_lease_period_to_be_renewed(setup, tmp_path) -> None:
+    """A sweeper that could not reach the database does not take its first look back as
+    proof that every holder died: holders cut off by the same outage renew first."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+
+    _client, ctx, job = setup
+    sweeper = _Recorder(depth=3).sweeper(ctx)
+    sweeper.db = create_engine(f"sqlite:///{tmp_path / 'no-such-dir' / 'x.db'}")  # unreachable
+    with pytest.raises(OperationalError):
+        sweeper.sweep_once()
+    sweeper.db = ctx.db  # back
+    assert acquire_lease(ctx.db, job["id"], 0, "alive-but-cut-off", ttl=1, at=time.time() - 60)
+    assert sweeper.sweep_once().expired == []  # within a lease period of the recovery
+    sweeper._judge_leases_from = 0.0  # a lease period later
+    assert sweeper.sweep_once().expired == [(job["id"], 0)]
+
+
+def test_after_a_broker_reconnect_pending_shards_are_enqueued_at_once(setup) -> None:
+    _client, ctx, job = setup
+    rec = _Recorder(depth=0)
+    sweeper = rec.sweeper(ctx)
+    assert sweeper.sweep_once().lost == []  # just enqueued: their messages get a lease period
+    sweeper.after_broker_reconnect()
+    rec.depth = None  # not connected yet: try again next sweep
+    assert sweeper.sweep_once().lost == []
+    rec.depth = 0
+    assert sorted(sweeper.sweep_once().lost) == [(job["id"], i) for i in range(3)]
+    assert sweeper.sweep_once().lost == []  # once

@@ -1,1 +1,4 @@
-"""Persistence: the database (db, items, leases, schema) and object storage (objects)."""
+"""Layer 1: persistence.
+
+Database models, engines, schema migrations, item writes, shard leases, object stores.
+"""

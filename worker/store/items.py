@@ -16,7 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from worker.store.db import Item, ItemStatus, Job, now
+from worker.store.models import Item, ItemStatus, Job, now
 
 
 @dataclass
@@ -130,7 +130,9 @@ def _percentiles(conn: Connection, job_id: str, column: Any) -> dict[str, float]
     out = {"mean": float(mean)}
     for name, q in _QUANTILES.items():
         rank = min(n - 1, round(q * (n - 1)))
-        out[name] = float(conn.execute(select(column).where(present).order_by(column).offset(rank).limit(1)).scalar_one())
+        out[name] = float(
+            conn.execute(select(column).where(present).order_by(column).offset(rank).limit(1)).scalar_one()
+        )
     out["max"] = float(top)
     return out
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Any
 
 from sqlalchemy import and_, or_, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
-from worker.store.db import Shard, ShardStatus, now
+from worker.store.crashes import record_death
+from worker.store.models import Shard, ShardStatus, now
 
 
 class LeaseLost(RuntimeError):
@@ -44,34 +46,30 @@ def acquire_lease(
 ) -> bool:
     """Take the shard's lease for ``ttl`` seconds; True if this call won it.
 
-    Succeeds only for a shard that is ``pending``, or ``running`` under an expired lease.
-    Winning sets status ``running``, counts an attempt and stamps ``started_at``.
+    Succeeds for a shard that is ``pending``, or ``running`` under an expired lease (its
+    holder died: ``record_death`` counts it in the same transaction), or ``running`` under
+    ``owner`` itself (a task taking its lease again after waiting out an outage). Winning
+    from someone else sets status ``running``, counts an attempt and stamps ``started_at``.
     """
     t = now() if at is None else at
-    stmt = (
-        update(Shard)
-        .where(
-            _this_shard(job_id, shard_index),
-            or_(
-                Shard.status == ShardStatus.pending,
-                and_(
-                    Shard.status == ShardStatus.running,
-                    or_(Shard.lease_owner.is_(None), Shard.lease_expires_at < t),
-                ),
-            ),
-        )
-        .values(
-            status=ShardStatus.running,
-            lease_owner=owner,
-            lease_expires_at=t + ttl,
-            heartbeat_at=t,
-            attempts=Shard.attempts + 1,
-            started_at=t,
-        )
-        .execution_options(synchronize_session=False)
+    this = _this_shard(job_id, shard_index)
+    fresh = {"status": ShardStatus.running, "lease_owner": owner, "lease_expires_at": t + ttl, "heartbeat_at": t}
+    taken = {**fresh, "attempts": Shard.attempts + 1, "started_at": t}
+    dead_holder = and_(
+        Shard.status == ShardStatus.running, or_(Shard.lease_owner.is_(None), Shard.lease_expires_at < t)
     )
     with engine.begin() as conn:
-        return conn.execute(stmt).rowcount == 1
+        if _update(conn, _held_by(job_id, shard_index, owner), fresh):
+            return True
+        if _update(conn, and_(this, dead_holder), taken):
+            record_death(conn, job_id, shard_index)
+            return True
+        return _update(conn, and_(this, Shard.status == ShardStatus.pending), taken)
+
+
+def _update(conn: Connection, where: Any, values: dict[str, Any]) -> bool:
+    stmt = update(Shard).where(where).values(**values).execution_options(synchronize_session=False)
+    return conn.execute(stmt).rowcount == 1
 
 
 def heartbeat_lease(
@@ -99,23 +97,24 @@ def release_lease(
     status: ShardStatus,
     *,
     output_uri: str | None = None,
-    error_uri: str | None = None,
     error: str | None = None,
+    failed_attempt: bool = False,
     at: float | None = None,
 ) -> bool:
     """Give the lease up and set the shard's status; False if we did not hold it.
 
     ``status`` is ``completed``/``failed``/``cancelled`` when done, or ``pending`` to hand
-    the shard back for another attempt (e.g. on worker shutdown).
+    the shard back for another attempt (e.g. on worker shutdown). ``failed_attempt``
+    counts this attempt in ``failures`` (it raised in the worker).
     """
     t = now() if at is None else at
-    values: dict[str, object] = {"status": status, "lease_owner": None, "lease_expires_at": None}
+    values: dict[str, object] = {"status": status, "lease_owner": None, "lease_expires_at": None, "solo_item": None}
+    if failed_attempt:
+        values["failures"] = Shard.failures + 1
     if status is not ShardStatus.pending:
         values["finished_at"] = t
     if output_uri is not None:
         values["output_uri"] = output_uri
-    if error_uri is not None:
-        values["error_uri"] = error_uri
     if error is not None:
         values["error"] = error
     stmt = (
@@ -128,9 +127,3 @@ def release_lease(
     )
     with engine.begin() as conn:
         return conn.execute(stmt).rowcount == 1
-
-
-def ensure_lease(engine: Engine, job_id: str, shard_index: int, owner: str, ttl: float) -> None:
-    """``heartbeat_lease`` that raises ``LeaseLost`` instead of returning False."""
-    if not heartbeat_lease(engine, job_id, shard_index, owner, ttl):
-        raise LeaseLost(f"lease on shard {shard_index} of job {job_id} is no longer held by {owner}")

@@ -14,8 +14,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
-from worker.settings import redact_url
-from worker.store.db import create_db_engine, normalize_url
+from worker.core.settings import Settings, redact_url
+from worker.store.database import create_db_engine, normalize_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -66,11 +66,6 @@ def upgrade_database(url: str | URL, revision: str = "head") -> str:
         engine.dispose()
 
 
-def upgrade_connection(connection: Connection, revision: str = "head") -> None:
-    """Migrate over an open connection (the caller commits); used by tests."""
-    command.upgrade(alembic_config(connection=connection), revision)
-
-
 def check_schema(engine: Engine) -> str:
     """Raise ``SchemaError`` unless the database is at the head revision; returns it."""
     where = redact_url(engine.url.render_as_string(hide_password=False))
@@ -93,3 +88,12 @@ def check_schema(engine: Engine) -> str:
         f"the database {where} is at schema revision {current}, which this code does not know "
         f"(its newest is {head}): it was migrated by a newer conveyor; upgrade conveyor"
     )
+
+
+def ensure_schema(settings: Settings, engine: Engine) -> str:
+    """The one rule for a database about to be used: the embedded SQLite is ours, so migrate
+    it; any other database is only checked (``conveyor db upgrade`` migrates it), never
+    migrated behind its operator's back. Returns the revision it is at."""
+    if settings.database_url is None:
+        return upgrade_database(engine.url)
+    return check_schema(engine)

@@ -1,0 +1,179 @@
+"""The ``torch`` attention backend: the CPU path, in plain torch.
+
+Per step, ``prepare`` turns the batch into gather indices and masks once; each layer then
+writes its new K/V into the cache and runs attention: decode tokens (the runner puts them
+first, sorted by context length) batched in buckets of similar length, and one
+``scaled_dot_product_attention`` call per prefill chunk. When all decodes share a long
+cached prefix (a common system prompt), it is attended to once for all of them and merged
+with each request's own part by log-sum-exp (cascade attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from kernels import reference
+from kernels.utils import cdiv
+
+# Decodes are batched in buckets of similar context length (the runner sorts them), each padded
+# only to its own longest context: a bucket's longest is at most this factor of its shortest.
+DECODE_BUCKET_GROWTH = 1.25
+# Cascade attention: when all decodes share at least this many prefix tokens (the same cached
+# blocks), that prefix is read once for all of them instead of once per request.
+CASCADE_MIN_SHARED_TOKENS = 256
+CASCADE_MIN_DECODES = 4
+
+# A bucket of decodes: (first, end) rows, their block tables past the shared prefix, and the
+# additive mask that hides each row's padding.
+DecodeBucket = tuple[int, int, torch.Tensor, torch.Tensor]
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self._slots = meta.slot_mapping.long()
+        self._buckets: list[DecodeBucket] | None = None
+        self._shared: torch.Tensor | None = None
+        # Per prefill chunk: (request, first query row, query tokens, context tokens).
+        self._prefills: list[tuple[int, int, int, int]] = []
+        start = meta.num_decodes
+        for b in range(meta.num_decodes, len(meta.query_lens_host)):
+            q_len, seq_len = meta.query_lens_host[b], meta.seq_lens_host[b]
+            self._prefills.append((b, start, q_len, seq_len))
+            start += q_len
+
+    def _decode_plan(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
+        """Built once per step: the block ids all decodes share (or None), and the buckets."""
+        if self._buckets is None:
+            meta = self.meta
+            nd = meta.num_decodes
+            lens = meta.seq_lens_host[:nd]
+            tables = meta.block_tables[:nd]
+            shared_blocks = 0
+            if nd >= CASCADE_MIN_DECODES and min(lens) > CASCADE_MIN_SHARED_TOKENS:
+                same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
+                # Never the block holding a request's newest token: that one is its own.
+                shared_blocks = min(int(same.sum()), (min(lens) - 1) // block_size)
+                if shared_blocks * block_size < CASCADE_MIN_SHARED_TOKENS:
+                    shared_blocks = 0
+            self._shared = tables[0, :shared_blocks].long() if shared_blocks else None
+            offset = shared_blocks * block_size
+            own = [n - offset for n in lens]
+            self._buckets = []
+            first = 0
+            while first < nd:
+                end = first + 1
+                while end < nd and own[end] <= own[first] * DECODE_BUCKET_GROWTH:
+                    end += 1
+                num_blocks = cdiv(max(own[first:end]), block_size)
+                bucket_tables = tables[first:end, shared_blocks : shared_blocks + num_blocks].long()
+                positions = torch.arange(num_blocks * block_size, device=tables.device)
+                own_lens = meta.seq_lens[first:end].long().unsqueeze(1) - offset
+                visible = positions.unsqueeze(0) < own_lens
+                mask = torch.zeros(visible.shape, dtype=dtype, device=tables.device).masked_fill_(
+                    ~visible, float("-inf")
+                )
+                self._buckets.append((first, end, bucket_tables, mask))
+                first = end
+        return self._shared, self._buckets
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        meta = self.meta
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # The engine never produces negative (skipped) slots, so a plain index_copy_ will do.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, v)
+        group = q.shape[1] // num_kv_heads
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            self._decode(q, k_cache, v_cache, scale, out, group)
+        for b, start, q_len, seq_len in self._prefills:
+            qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+            if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
+                kb, vb = k[start : start + q_len], v[start : start + q_len]
+            else:
+                tables = meta.block_tables[b]
+                kb = reference.gather_kv(k_cache, tables, seq_len)
+                vb = reference.gather_kv(v_cache, tables, seq_len)
+            kb = kb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+            vb = vb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+            if seq_len == q_len:
+                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+            else:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+                visible = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
+                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
+            out[start : start + q_len] = ob[0].transpose(0, 1)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        group: int,
+    ) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype)
+        nd = self.meta.num_decodes
+        queries = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        prefix = _shared_prefix_partials(queries, k_cache, v_cache, shared, scale) if shared is not None else None
+        for first, end, tables, mask in buckets:
+            n = end - first
+            keys = k_cache[tables].flatten(1, 2)  # [n, L, Hkv, D]
+            values = v_cache[tables].flatten(1, 2)
+            dest = out[first:end].view(n, num_kv_heads, group, head_dim)
+            bias = mask.unsqueeze(1).expand(n, group, mask.shape[1])
+            # One KV head at a time: strided views feed bmm directly, with no transposed copies.
+            for h in range(num_kv_heads):
+                scores = torch.baddbmm(bias, queries[first:end, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+                if prefix is None:
+                    dest[:, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h])
+                    continue
+                # Merge with the shared prefix's partial result by log-sum-exp.
+                o_s, m_s, l_s = (t[first:end, h] for t in prefix)
+                m_u = scores.amax(dim=-1, keepdim=True)
+                e_u = torch.exp(scores - m_u)
+                m = torch.maximum(m_s, m_u)
+                a, b = torch.exp(m_s - m), torch.exp(m_u - m)
+                o_u = torch.bmm(e_u, values[:, :, h])
+                dest[:, h] = (o_s * a + o_u * b) / (l_s * a + e_u.sum(dim=-1, keepdim=True) * b)
+
+
+def _shared_prefix_partials(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    shared_blocks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised attention of every decode query over the prefix all of them share, read
+    once: (output, running max, sum of exponentials), each ``[nd, Hkv, G, ...]``."""
+    nd, num_kv_heads, group, head_dim = queries.shape
+    keys = k_cache[shared_blocks].flatten(0, 1)  # [Ls, Hkv, D]
+    values = v_cache[shared_blocks].flatten(0, 1)
+    out = torch.empty_like(queries)
+    maxes = queries.new_empty(nd, num_kv_heads, group, 1)
+    sums = queries.new_empty(nd, num_kv_heads, group, 1)
+    for h in range(num_kv_heads):
+        scores = torch.matmul(queries[:, h].reshape(nd * group, head_dim), keys[:, h].T) * scale
+        m = scores.amax(dim=-1, keepdim=True)
+        e = torch.exp(scores - m)
+        out[:, h] = torch.matmul(e, values[:, h]).view(nd, group, head_dim)
+        maxes[:, h] = m.view(nd, group, 1)
+        sums[:, h] = e.sum(dim=-1, keepdim=True).view(nd, group, 1)
+    return out, maxes, sums

@@ -1,0 +1,144 @@
+"""``conveyor bench``: how fast this machine runs a model, on a synthetic batch workload.
+
+Random token-id prompts (optionally behind a shared prefix, as with a common system prompt)
+and output lengths drawn from a range with EOS ignored, all submitted at once, the way a
+batch job feeds the engine. Reports throughput and per-request latency percentiles.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+MAX_BENCH_REQUESTS = 100_000
+MAX_BENCH_TOKENS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> TokenRange:
+        """``"N"`` or ``"LOW-HIGH"``."""
+        try:
+            low, _, high = text.partition("-")
+            value = cls(int(low), int(high or low))
+        except ValueError:
+            raise ValueError(f"{name} must be N or LOW-HIGH, got {text!r}") from None
+        if not 1 <= value.low <= value.high <= MAX_BENCH_TOKENS:
+            raise ValueError(f"{name} must satisfy 1 <= LOW <= HIGH <= {MAX_BENCH_TOKENS}, got {text!r}")
+        return value
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+
+@dataclass
+class BenchResult:
+    model: str
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50: float
+    ttft_p90: float
+    tpot_p50: float | None
+    e2e_p50: float
+    e2e_p90: float
+    preemptions: int
+    engine: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_bench(
+    model: str,
+    *,
+    requests: int,
+    prompt_tokens: TokenRange,
+    output_tokens: TokenRange,
+    shared_prefix: int = 0,
+    seed: int = 0,
+    engine_args: dict[str, Any] | None = None,
+) -> BenchResult:
+    if not 1 <= requests <= MAX_BENCH_REQUESTS:
+        raise ValueError(f"requests must be from 1 to {MAX_BENCH_REQUESTS}, got {requests}")
+    if not 0 <= shared_prefix <= MAX_BENCH_TOKENS:
+        raise ValueError(f"shared_prefix must be from 0 to {MAX_BENCH_TOKENS}, got {shared_prefix}")
+    llm = LLM(model, **(engine_args or {}))
+    vocab = llm.engine.vocab_size
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(vocab) for _ in range(prompt_tokens.draw(rng))] for _ in range(requests)]
+    params = [
+        SamplingParams(max_tokens=output_tokens.draw(rng), temperature=0.0, ignore_eos=True) for _ in range(requests)
+    ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    failed = [o for o in outs if o.error]
+    if failed:
+        raise ValueError(f"{len(failed)} requests were refused, e.g.: {failed[0].error}")
+    produced = sum(len(o.token_ids) for o in outs)
+    prompt_total = sum(len(p) for p in prompts)
+    tpots = [t for o in outs if (t := o.metrics.time_per_output_token) is not None]
+    # Every finished request has these times; the filter only narrows the Optional type.
+    ttfts = [t for o in outs if (t := o.metrics.time_to_first_token) is not None]
+    e2es = [t for o in outs if (t := o.metrics.e2e_latency) is not None]
+    stats = llm.engine.stats()
+    return BenchResult(
+        model=model,
+        requests=requests,
+        prompt_tokens=prompt_total,
+        cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
+        output_tokens=produced,
+        seconds=seconds,
+        output_tokens_per_s=produced / seconds,
+        total_tokens_per_s=(produced + prompt_total) / seconds,
+        requests_per_s=requests / seconds,
+        ttft_p50=_quantile(ttfts, 0.5),
+        ttft_p90=_quantile(ttfts, 0.9),
+        tpot_p50=_quantile(tpots, 0.5) if tpots else None,
+        e2e_p50=_quantile(e2es, 0.5),
+        e2e_p90=_quantile(e2es, 0.9),
+        preemptions=stats.num_preemptions,
+        engine={
+            "device": str(llm.engine.runner.device),
+            "dtype": str(llm.engine.runner.dtype),
+            "attention": llm.engine.runner.backend.name,
+            "kv_blocks": stats.kv_blocks_total,
+            "block_size": llm.engine.config.block_size,
+            "max_num_seqs": llm.engine.config.max_num_seqs,
+        },
+    )
+
+
+def format_result(r: BenchResult) -> str:
+    tpot = f"{r.tpot_p50 * 1e3:.1f} ms" if r.tpot_p50 is not None else "n/a"
+    return "\n".join([
+        f"{r.requests} requests, {r.prompt_tokens} prompt tokens ({r.cached_prompt_tokens} from the prefix cache), "
+        f"{r.output_tokens} output tokens in {r.seconds:.2f} s on {r.engine['device']} ({r.engine['dtype']}, "
+        f"{r.engine['attention']} attention)",
+        f"  throughput   {r.output_tokens_per_s:10.1f} output tok/s  {r.total_tokens_per_s:10.1f} total tok/s  "
+        f"{r.requests_per_s:8.2f} req/s",
+        f"  latency p50  ttft {r.ttft_p50 * 1e3:.1f} ms  tpot {tpot}  e2e {r.e2e_p50:.2f} s   "
+        f"(p90 ttft {r.ttft_p90 * 1e3:.1f} ms, e2e {r.e2e_p90:.2f} s)",
+        f"  preemptions  {r.preemptions}",
+    ])  # fmt: skip

@@ -1,0 +1,220 @@
+"""One input record (a JSONL line, a CSV row, a Parquet row) as a ``ParsedRequest`` or a
+``LineError``, and the errors that reject a whole input (``InputError``).
+
+A record is an OpenAI Batch line (``{"custom_id", "method": "POST", "url", "body"}``; unknown
+fields are errors, as with OpenAI) or a plain dataset row (``{"prompt": ...}`` or
+``{"messages": [...]}`` plus optional ``custom_id``/``id`` and sampling fields at the top
+level; other fields are ignored). Rows without an id get ``custom_id = "line-<n>"``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.batchio.request_body import (
+    CHAT,
+    COMPLETIONS,
+    ENDPOINTS,
+    InvalidRequest,
+    parse_messages,
+    parse_prompt,
+    sampling_from_body,
+    shown,
+)
+from worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
+
+_OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+
+
+class InputFormat(str, enum.Enum):
+    jsonl = "jsonl"  # OpenAI Batch lines and plain prompt lines, told apart per line
+    csv = "csv"
+    parquet = "parquet"  # a prompt (or messages) column; rows numbered from 1 like lines
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be accepted (the job fails at validation). ``code``,
+    ``line`` and ``param`` become the job's error, shaped as OpenAI's ``BatchError``."""
+
+    def __init__(
+        self, message: str, *, code: str = "invalid_input", line: int | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code, self.line, self.param = code, line, param
+        self.endpoint: str | None = None  # set by intake: the endpoint of the requests before it
+
+
+class InputTooLarge(InputError):
+    """The input exceeds a size or count limit."""
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One valid input line. Exactly one of ``prompt`` / ``messages`` is set."""
+
+    line: int  # 1-based line number in the input file (CSV: the record's first line)
+    custom_id: str
+    endpoint: str  # CHAT or COMPLETIONS
+    sampling: dict[str, Any]  # SamplingParams(**sampling)
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A compact dict for a shard's input file (``from_json`` reads it back)."""
+        data: dict[str, Any] = {"line": self.line, "custom_id": self.custom_id, "endpoint": self.endpoint}
+        if self.messages is not None:
+            data["messages"] = self.messages
+        else:
+            data["prompt"] = self.prompt
+        data["sampling"] = self.sampling
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParsedRequest:
+        return cls(
+            line=data["line"],
+            custom_id=data["custom_id"],
+            endpoint=data["endpoint"],
+            sampling=dict(data["sampling"]),
+            prompt=data.get("prompt"),
+            messages=data.get("messages"),
+        )
+
+
+@dataclass(frozen=True)
+class LineError:
+    """An input line rejected at validation."""
+
+    line: int
+    code: str  # invalid_json, invalid_request, invalid_value, unknown_parameter, unsupported,
+    #            missing_prompt, duplicate_custom_id, line_too_long, invalid_encoding, invalid_csv,
+    #            invalid_row (a Parquet row pyarrow cannot convert)
+    message: str
+    custom_id: str | None = None
+    param: str | None = None
+
+
+def _custom_id(value: Any, limits: InputLimits, *, required: bool, line: int) -> str:
+    if value is None and not required:
+        return f"line-{line}"
+    if isinstance(value, int) and not isinstance(value, bool) and not required:
+        value = str(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest("invalid_request", "custom_id must be a non-empty string", "custom_id")
+    if len(value) > limits.max_custom_id_chars:
+        raise InvalidRequest(
+            "invalid_value", f"custom_id is longer than {limits.max_custom_id_chars} characters", "custom_id"
+        )
+    if "\x00" in value or not _encodable(value):
+        raise InvalidRequest(
+            "invalid_value", "custom_id must be UTF-8 text without NUL characters or lone surrogates", "custom_id"
+        )
+    return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest:
+    """One JSON object (OpenAI Batch line or plain row) -> ParsedRequest, or InvalidRequest."""
+    if not isinstance(obj, dict):
+        raise InvalidRequest("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
+    if _batch_line_without_body(obj):
+        raise InvalidRequest("missing_prompt", "a request needs a body with a prompt or messages", "body")
+    if "body" in obj:  # OpenAI Batch line
+        custom_id = _custom_id(obj.get("custom_id"), limits, required=True, line=line)
+        extra = sorted(set(obj) - _OPENAI_KEYS)
+        if extra:
+            raise InvalidRequest("unknown_parameter", f"unknown field(s) {', '.join(extra)} in a batch line", extra[0])
+        if obj.get("method") != "POST":
+            raise InvalidRequest("invalid_value", f'method must be "POST", got {shown(obj.get("method"))}', "method")
+        endpoint = obj.get("url")
+        if endpoint not in ENDPOINTS:
+            raise InvalidRequest(
+                "invalid_value", f"url must be one of {', '.join(ENDPOINTS)}, got {shown(endpoint)}", "url"
+            )
+        body = obj["body"]
+        if not isinstance(body, dict):
+            raise InvalidRequest("invalid_request", "body must be a JSON object", "body")
+        strict = True
+    else:  # a plain dataset row
+        custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
+        body, strict = obj, False
+        endpoint = CHAT if "messages" in obj else COMPLETIONS
+    if endpoint == CHAT:
+        if "messages" not in body:
+            raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
+        messages = parse_messages(body["messages"], limits)
+        sampling = sampling_from_body(body, endpoint, limits, strict=strict)
+        return ParsedRequest(line, custom_id, endpoint, sampling, messages=messages)
+    if "prompt" not in body:
+        what = "a completions request needs a prompt" if strict else "no prompt or messages field"
+        raise InvalidRequest("missing_prompt", what, "prompt")
+    prompt = parse_prompt(body["prompt"])
+    sampling = sampling_from_body(body, endpoint, limits, strict=strict)
+    return ParsedRequest(line, custom_id, endpoint, sampling, prompt=prompt)
+
+
+def record_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest | LineError:
+    """``request_from_object``, with a rejected line as its ``LineError``."""
+    try:
+        return request_from_object(obj, line, limits)
+    except InvalidRequest as exc:
+        return LineError(line, exc.code, exc.message, guess_custom_id(obj), exc.param)
+
+
+def _batch_line_without_body(obj: dict[str, Any]) -> bool:
+    """An OpenAI Batch line that lost its body: a ``method`` or an API ``url`` and nothing to
+    run (a plain row with a prompt and a ``url`` column of its own is fine)."""
+    if "body" in obj or "prompt" in obj or "messages" in obj:
+        return False
+    url = obj.get("url")
+    return "method" in obj or (isinstance(url, str) and url.startswith("/v1/"))
+
+
+class OneEndpoint:
+    """OpenAI Batch lines of one input must all ask for one ``url`` (OpenAI requires one
+    endpoint per batch): the first such line fixes it, and a later line asking for another is
+    that line's ``url_mismatch`` error (one stray line never sinks the job). Lines whose url
+    we do not serve are line errors and fix nothing; plain rows are not checked (each runs
+    as its own endpoint)."""
+
+    def __init__(self) -> None:
+        self.url: str | None = None
+        self.line = 0
+
+    def check(self, obj: Any, line: int) -> LineError | None:
+        if not isinstance(obj, dict) or "body" not in obj or obj.get("url") not in ENDPOINTS:
+            return None
+        url = obj["url"]
+        if self.url is None:
+            self.url, self.line = url, line
+            return None
+        if url == self.url:
+            return None
+        return LineError(
+            line,
+            "url_mismatch",
+            f"url {url} differs from this batch's endpoint {self.url} (set by line {self.line}): OpenAI "
+            "requires one endpoint per batch; submit these lines as a job of their own",
+            guess_custom_id(obj),
+            "url",
+        )
+
+
+def guess_custom_id(obj: Any) -> str | None:
+    """The custom_id to show with a rejected line, if it is text that can be written."""
+    if isinstance(obj, dict):
+        cid = obj.get("custom_id", obj.get("id"))
+        if isinstance(cid, (str, int)) and not isinstance(cid, bool):
+            text = str(cid)[:MAX_CUSTOM_ID_CHARS]
+            return text if _encodable(text) else None
+    return None

@@ -1,0 +1,260 @@
+"""Validate one request body (OpenAI chat/completions style) into prompt + sampling kwargs.
+
+The sampling dict uses the engine's ``SamplingParams`` field names exactly (``max_tokens,
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+repetition_penalty, presence_penalty, frequency_penalty, logprobs, n``), so the task layer
+can do ``SamplingParams(**request.sampling)``. Every user-controlled size is bounded by
+``InputLimits``. Problems raise ``InvalidRequest`` naming the field and what is wrong.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from worker.core.limits import InputLimits
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MAX_SEED = 2**63 - 1
+
+
+class InvalidRequest(ValueError):
+    """A request the worker cannot run; ``code`` is machine-readable, ``param`` the field."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+_SHOWN = reprlib.Repr()  # bounded in length and depth: a value can be deeply nested
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 60, 60, 40
+
+
+def shown(value: Any) -> str:
+    """A short repr of a user's value for an error message."""
+    return _SHOWN.repr(value)
+
+
+def _invalid(param: str, what: str, value: Any) -> InvalidRequest:
+    return InvalidRequest("invalid_value", f"{param} must be {what}, got {shown(value)}", param)
+
+
+def _text(param: str, value: str) -> str:
+    """``value`` if a tokenizer can take it: a ``\\ud800`` escape in JSON gives a lone
+    surrogate, which has no UTF-8 form."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                "invalid_value",
+                f"{param} has a lone surrogate ({value[exc.start]!r}) at character {exc.start}; "
+                "text must be valid Unicode",
+                param,
+            ) from None
+    return value
+
+
+# ---- scalar checks ----------------------------------------------------------------------
+
+
+def _int(param: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _invalid(param, f"an integer from {low} to {high}", value)
+    return value
+
+
+def _float(param: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
+    # Comparing, not converting: a huge int never overflows a float, and NaN and the
+    # infinities fail the comparisons.
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"greater than {low}" if low_open else f"at least {low}"
+        raise _invalid(param, f"a number {bound} and at most {high}", value)
+    return float(value)
+
+
+def _bool(param: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(param, "true or false", value)
+    return value
+
+
+def _stop(param: str, value: Any, limits: InputLimits) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > limits.max_stop_sequences:
+        raise _invalid(param, f"a string or a list of at most {limits.max_stop_sequences} strings", value)
+    for s in items:
+        if not isinstance(s, str) or not s or len(s) > limits.max_stop_chars:
+            raise _invalid(param, f"made of non-empty strings of at most {limits.max_stop_chars} characters", s)
+        _text(param, s)
+    return items
+
+
+def _token_ids(param: str, value: Any, max_count: int) -> list[int]:
+    if not isinstance(value, list) or len(value) > max_count:
+        raise _invalid(param, f"a list of at most {max_count} token ids", value)
+    for t in value:
+        _int(param, t, 0, 2**31 - 1)
+    return value
+
+
+# Fields shared by both endpoints: name -> checker(value, limits) -> engine value.
+_COMMON: dict[str, Callable[[Any, InputLimits], Any]] = {
+    "temperature": lambda v, lim: _float("temperature", v, 0.0, 2.0),
+    "top_p": lambda v, lim: _float("top_p", v, 0.0, 1.0, low_open=True),
+    "n": lambda v, lim: _int("n", v, 1, lim.max_n),
+    "seed": lambda v, lim: _int("seed", v, 0, _MAX_SEED),
+    "stop": lambda v, lim: _stop("stop", v, lim),
+    "presence_penalty": lambda v, lim: _float("presence_penalty", v, -2.0, 2.0),
+    "frequency_penalty": lambda v, lim: _float("frequency_penalty", v, -2.0, 2.0),
+    # Extensions beyond OpenAI (as vLLM accepts them).
+    "top_k": lambda v, lim: _int("top_k", v, -1, 1_000_000),
+    "min_p": lambda v, lim: _float("min_p", v, 0.0, 1.0),
+    "repetition_penalty": lambda v, lim: _float("repetition_penalty", v, 0.0, 10.0, low_open=True),
+    "stop_token_ids": lambda v, lim: _token_ids("stop_token_ids", v, lim.max_stop_token_ids),
+    "ignore_eos": lambda v, lim: _bool("ignore_eos", v),
+}
+
+# Accepted and ignored when they hold a harmless value (None always counts as absent).
+_IGNORED: dict[str, Callable[[Any], bool]] = {
+    "model": lambda v: isinstance(v, str),
+    "user": lambda v: isinstance(v, str),
+    "metadata": lambda v: isinstance(v, dict),
+    "store": lambda v: isinstance(v, bool),
+    "service_tier": lambda v: isinstance(v, str),
+    "stream": lambda v: v is False,
+    "echo": lambda v: v is False,
+    "logit_bias": lambda v: v == {},
+    "suffix": lambda v: v == "",
+    "response_format": lambda v: v == {"type": "text"},
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "tool_choice": lambda v: v == "none",
+    "tools": lambda v: v == [],
+}
+
+_UNSUPPORTED_HINT = {
+    "stream": "batch requests cannot stream",
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "response_format": "only the text response format is supported",
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+}
+
+
+def _max_tokens(body: Mapping[str, Any], limits: InputLimits) -> int:
+    a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+    if a is not None and b is not None:
+        raise InvalidRequest(
+            "invalid_request", "give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
+        )
+    if b is not None:
+        return _int("max_completion_tokens", b, 1, limits.max_tokens)
+    if a is not None:
+        return _int("max_tokens", a, 1, limits.max_tokens)
+    return limits.default_max_tokens
+
+
+def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimits, *, strict: bool) -> dict[str, Any]:
+    """SamplingParams kwargs from ``body``. ``strict``: unknown fields are errors (OpenAI
+    batch lines); otherwise unknown fields are ignored (rows of a plain dataset)."""
+    sampling: dict[str, Any] = {"max_tokens": _max_tokens(body, limits)}
+    chat = endpoint == CHAT
+    for name, value in body.items():
+        if value is None or name in ("max_tokens", "max_completion_tokens", "messages", "prompt"):
+            continue
+        if name in _COMMON:
+            sampling[name] = _COMMON[name](value, limits)
+        elif name == "logprobs" and chat:
+            if _bool("logprobs", value):
+                sampling["logprobs"] = sampling.get("logprobs", 0)
+        elif name == "top_logprobs" and chat:
+            sampling["logprobs"] = _int("top_logprobs", value, 0, limits.max_logprobs)
+        elif name == "logprobs":
+            sampling["logprobs"] = _int("logprobs", value, 0, limits.max_logprobs)
+        elif name == "best_of" and not chat:
+            if value != body.get("n", 1):
+                raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")
+        elif name in _IGNORED:
+            if strict and not _IGNORED[name](value):
+                hint = _UNSUPPORTED_HINT.get(name, f"unsupported value for {name}")
+                raise InvalidRequest("unsupported", f"{hint} ({name}={shown(value)})", name)
+        elif strict:
+            raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {endpoint}", name)
+    if chat and "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
+        raise InvalidRequest("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    return sampling
+
+
+# ---- prompts ------------------------------------------------------------------------------
+
+
+def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, str]]:
+    """Chat messages normalised to ``[{"role", "content": str}]`` (text parts joined)."""
+    if not isinstance(value, list) or not value:
+        raise _invalid("messages", "a non-empty list of messages", value)
+    if len(value) > limits.max_messages:
+        raise InvalidRequest(
+            "invalid_value", f"messages has {len(value)} entries; at most {limits.max_messages}", "messages"
+        )
+    out = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _invalid(where, "an object with role and content", msg)
+        role = msg.get("role")
+        if role not in _ROLES:
+            if role == "tool":
+                raise InvalidRequest("unsupported", f"{where}: tool messages are not supported", f"{where}.role")
+            raise _invalid(f"{where}.role", "one of system, developer, user, assistant", role)
+        out.append({"role": _ROLES[role], "content": _content(f"{where}.content", msg.get("content"), role)})
+    return out
+
+
+def _content(param: str, content: Any, role: str) -> str:
+    if isinstance(content, str):
+        return _text(param, content)
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(
+                    "unsupported", f"{param}[{j}]: only text parts are supported, got type {kind!r}", f"{param}[{j}]"
+                )
+            texts.append(_text(f"{param}[{j}].text", part["text"]))
+        return "\n".join(texts)
+    raise _invalid(param, "a string or a list of text parts", content)
+
+
+def parse_prompt(value: Any) -> str | list[int]:
+    """A completion prompt: a non-empty string, one-string list, or a list of token ids."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequest("invalid_value", "prompt is empty", "prompt")
+        return _text("prompt", value)
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) < 0:
+            raise _invalid("prompt", "token ids >= 0", value)
+        return value
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise InvalidRequest(
+            "unsupported", "several prompts in one request are not supported; use one line each", "prompt"
+        )
+    raise _invalid("prompt", "a non-empty string or a list of token ids", value)

@@ -1,0 +1,35 @@
+"""The worker's Celery app, the composition root of a worker process: configuration
+(``worker.broker.config``), the tasks, the process signals and the per-app state.
+
+``celery -A worker.app worker`` works with the model in ``CONVEYOR_MODEL`` (the worker
+consumes that model's queue with a threads pool); ``conveyor worker --model M`` builds the
+same app for ``M``. The worker checks its configuration and the database schema before it
+consumes anything, loads the model once per process, and runs two background threads
+(``worker.broker.worker_process``): the sweeper and the engine snapshots.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from worker.broker.app_state import AppState
+from worker.broker.config import celery_app
+from worker.broker.queues import DEFAULT_QUEUE, queue_name
+from worker.broker.tasks import register_tasks
+from worker.broker.worker_process import add_consumer_steps, connect_signals
+from worker.core.settings import Settings, get_settings
+from worker.jobs.model_names import canonical_model
+
+
+def create_app(settings: Settings | None = None, model: str | None = None) -> Celery:
+    """A worker app on the configured broker; with a model, its queue is the default one."""
+    settings = settings or get_settings()
+    name = model or settings.model
+    canonical = canonical_model(name) if name else None
+    queue = queue_name(canonical, settings.queue_prefix) if canonical else DEFAULT_QUEUE
+    app = celery_app(settings, queue)
+    app.conveyor = AppState(settings, canonical, queue)
+    register_tasks(app)
+    add_consumer_steps(app)
+    connect_signals()
+    return app

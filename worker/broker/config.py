@@ -1,0 +1,51 @@
+"""The Celery configuration every Conveyor app shares: JSON only, late acks, reject on
+worker lost, prefetch 1, one queue per model.
+
+``celery_app`` is enough to send (the client, ``conveyor submit``): it registers no task and
+imports no engine. The worker's app (``worker.broker.app``) adds the tasks and signals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from worker.broker.queues import model_queue
+from worker.core.settings import Settings
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    broker = settings.broker
+    options: dict[str, Any] = {}
+    if broker.startswith(("redis", "rediss", "sqs")):
+        options["visibility_timeout"] = settings.broker_visibility_timeout
+    options.update(settings.broker_transport_options)
+    return options
+
+
+def celery_app(settings: Settings, queue: str) -> Celery:
+    """A Celery app on the configured broker whose default queue is ``queue``."""
+    app = Celery("conveyor", set_as_current=False)
+    app.conf.update(
+        broker_url=settings.broker,
+        broker_transport_options=transport_options(settings),
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        worker_pool="threads",
+        worker_concurrency=settings.worker_concurrency,
+        task_default_queue=queue,
+        task_queues=[model_queue(queue)],
+        worker_hijack_root_logger=True,
+        worker_log_color=False,
+    )
+    return app

@@ -1,0 +1,78 @@
+"""The Celery tasks (JSON arguments only; names and enqueue helpers in ``worker.broker.queues``).
+
+- ``conveyor.run_shard(job_id, shard_index)``: run one shard (``worker.execution.shard_runner``).
+  A failed attempt is retried with backoff up to ``CONVEYOR_SHARD_MAX_ATTEMPTS``; after that
+  the shard's remaining items become error records and the job goes on.
+- ``conveyor.finalize_job(job_id, redo)``: finalise a job the sweeper found unfinished.
+
+A database or storage outage never acknowledges a message unprocessed: the task waits for
+the dependency (the context's ``DependencyGate``) and then does its work; after
+``CONVEYOR_DEPENDENCY_RETRY_SECONDS`` of outage it rejects the message back onto the queue,
+to be delivered again, instead of raising (Celery would log it and ack it: the message lost).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Reject
+
+from worker.broker.app_state import require_state
+from worker.broker.queues import FINALIZE_JOB, RUN_SHARD
+from worker.execution.dependency_gate import DependencyUnavailable
+from worker.execution.shard_runner import RetryShard, run_shard
+from worker.jobs import object_keys
+from worker.jobs.finalize import FinalizeResult, finalize_if_ready, finalize_job
+
+log = logging.getLogger(__name__)
+
+RETRY_BACKOFF = (2.0, 10.0, 30.0, 60.0)
+
+
+def _shard_index(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"shard_index must be a non-negative integer, got {value!r:.40}")
+    return value
+
+
+def register_tasks(app: Celery) -> None:
+    """Define the tasks on ``app``; they run in the context ``app.conveyor`` creates."""
+    state = require_state(app)
+
+    @app.task(name=RUN_SHARD, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+    def run_shard_task(self: Any, job_id: str, shard_index: int) -> dict[str, Any]:
+        object_keys.check_job_id(job_id)
+        ctx = state.context()
+        try:
+            outcome = run_shard(ctx, job_id, _shard_index(shard_index))
+        except RetryShard as exc:
+            countdown = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
+            log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, countdown, exc)
+            raise self.retry(countdown=countdown, max_retries=None) from None
+        except DependencyUnavailable as exc:
+            log.warning("%s; handing the message back to the broker", exc)
+            raise Reject(str(exc), requeue=True) from None
+        reason = f" [{outcome.reason}]" if outcome.reason else ""
+        log.info("shard %s/%d: %s (%d items)%s", job_id, shard_index, outcome.status, outcome.items, reason)
+        return outcome.as_dict()
+
+    @app.task(name=FINALIZE_JOB, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    def finalize_job_task(self: Any, job_id: str, redo: bool = False) -> dict[str, Any]:
+        object_keys.check_job_id(job_id)
+        ctx = state.context()
+        hb = ctx.settings.heartbeat_seconds
+
+        def finalize() -> FinalizeResult | None:
+            result = finalize_job(ctx.db, ctx.store, job_id, heartbeat_seconds=hb) if redo is True else None
+            return result or finalize_if_ready(ctx.db, ctx.store, job_id, heartbeat_seconds=hb)
+
+        try:
+            result = ctx.gate.call(
+                finalize, what=f"finalising job {job_id}", patience=ctx.settings.dependency_retry_seconds
+            )
+        except DependencyUnavailable as exc:
+            log.warning("%s; handing the message back to the broker", exc)
+            raise Reject(str(exc), requeue=True) from None
+        return {"job_id": job_id, "status": result.status.value if result else None}

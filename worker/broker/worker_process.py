@@ -1,0 +1,150 @@
+"""A worker process's life around the Celery consumer (Celery's signals, for Conveyor apps).
+
+- ``worker_init``: refuse to start on a bad configuration or an outdated database schema
+  (the message says what to run), record the worker in the registry (``starting``), then
+  load the model (threads/solo pools: once, before consuming; a prefork child loads its own
+  on first use). A model that cannot load exits 1 before any message is taken, recorded
+  ``failed`` with the reason, so nothing counts it as serving the model.
+- ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
+  the expiry (jobs of any model past their completion window) and the engine-snapshot threads.
+- ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``.
+
+And one consumer bootstep, ``BrokerReconnected``: each time the consumer connects to the
+broker again after losing it, the sweeper runs at once (``AppState.broker_reconnected``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any
+
+from celery import Celery, bootsteps, signals
+
+from worker.broker.app_state import AppState, app_state
+from worker.broker.queues import enqueue_finalize, enqueue_shards, queue_depth
+from worker.core.periodic import Periodic
+from worker.execution.snapshots import SnapshotWriter
+from worker.jobs.expiry import expire_due_jobs
+from worker.jobs.sweeper import Sweeper
+from worker.store.models import WorkerState
+from worker.store.schema import ensure_schema
+from worker.store.workers import register_worker, set_worker_state
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_connected = False
+
+
+def start_background(app: Celery, state: AppState) -> list[Periodic]:
+    ctx = state.context()
+    s = ctx.settings
+    queue = state.queue
+    sweeper = Sweeper(
+        ctx.db,
+        ctx.model,
+        s,
+        enqueue_shard=lambda job_id, index: enqueue_shards(app, queue, job_id, [index]),
+        enqueue_finalize=lambda job_id, redo: enqueue_finalize(app, queue, job_id, redo),
+        queue_depth=lambda: queue_depth(app, queue),
+    )
+    state.sweeper = sweeper
+    state.sweep_thread = Periodic("conveyor-sweeper", s.sweep_interval_seconds, sweeper.sweep_once).start()
+    state.background = []
+    registry_id = state.registry_id
+    if registry_id is not None:
+        set_worker_state(ctx.db, registry_id, WorkerState.ready)
+        beat = Periodic("conveyor-registry", s.heartbeat_seconds, lambda: set_worker_state(ctx.db, registry_id))
+        state.background.append(beat.start())
+    state.background += [
+        state.sweep_thread,
+        Periodic("conveyor-snapshots", s.snapshot_interval_seconds, SnapshotWriter(ctx).write_once).start(),
+        Periodic(
+            "conveyor-expiry",
+            s.sweep_interval_seconds,
+            lambda: expire_due_jobs(ctx.db, ctx.store, heartbeat_seconds=s.heartbeat_seconds),
+        ).start(),
+    ]
+    return state.background
+
+
+class BrokerReconnected(bootsteps.StartStopStep):
+    """A consumer bootstep: Celery starts it each time the consumer (re)connects, after the
+    consumer is consuming again; from the second time on, the broker was lost and is back."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        if getattr(c, "restart_count", 0) > 0:
+            state = app_state(c.app)
+            if state is not None:
+                state.broker_reconnected()
+
+
+def add_consumer_steps(app: Celery) -> None:
+    app.steps["consumer"].add(BrokerReconnected)
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    state = app_state(app)
+    if app is None or state is None:
+        return
+    try:
+        ctx = state.context()
+        revision = ensure_schema(ctx.settings, ctx.db)
+        state.registry_id = register_worker(ctx.db, ctx.model, state.queue)
+        ctx.store.check()  # a worker that cannot store results must not take shards
+        log.info("conveyor worker: %s on queue %s; schema %s", ctx.describe(), state.queue, revision)
+        pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)
+        if "thread" in pool or "solo" in pool:
+            ctx.host()
+    except Exception as exc:
+        print(f"conveyor worker: cannot start: {exc}", file=sys.stderr, flush=True)
+        _record_failure(state, f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+
+
+def _record_failure(state: AppState, reason: str) -> None:
+    """Mark the worker ``failed`` (best effort: the database may be what failed)."""
+    if state.registry_id is None:
+        return
+    try:
+        set_worker_state(state.context().db, state.registry_id, WorkerState.failed, error=reason)
+    except Exception:
+        log.warning("could not record the failed start in the workers registry", exc_info=True)
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    state = app_state(app)
+    if state is not None and not state.background:
+        start_background(app, state)
+
+
+def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+    state = app_state(getattr(sender, "app", None))
+    if state is None:
+        return
+    for thread in state.background:  # the registry heartbeat must not beat after `stopped`
+        thread.stop()
+    if state.registry_id is not None:
+        try:
+            set_worker_state(state.context().db, state.registry_id, WorkerState.stopped)
+        except Exception:
+            log.warning("could not record the stop in the workers registry", exc_info=True)
+    state.close()
+
+
+def connect_signals() -> None:
+    """Connect the handlers once per process; they act only on Conveyor apps."""
+    global _connected
+    with _lock:
+        if _connected:
+            return
+        signals.worker_init.connect(_on_worker_init, weak=False)
+        signals.worker_ready.connect(_on_worker_ready, weak=False)
+        signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
+        _connected = True

@@ -1,0 +1,272 @@
+"""All worker configuration, read from ``CONVEYOR_*`` environment variables.
+
+With nothing set, everything lives under ``CONVEYOR_HOME`` (default ``~/.conveyor``) and
+needs no server: a SQLite database, a local-directory object store and kombu's SQLAlchemy
+transport on SQLite as the broker. Production sets ``CONVEYOR_DATABASE_URL`` (Postgres),
+``CONVEYOR_BROKER_URL`` (Redis, RabbitMQ, SQS) and ``CONVEYOR_STORAGE_URL``
+(``s3://bucket/prefix``; any S3-compatible endpoint via ``AWS_ENDPOINT_URL`` or
+``CONVEYOR_STORAGE_ENDPOINT_URL``).
+
+URLs may carry passwords: never log them raw. ``repr(settings)`` and
+``settings.safe_dict()`` redact them; use ``redact_url`` for anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+from worker.core.limits import (
+    DEFAULT_COMPLETION_WINDOW,
+    DEFAULT_LIMITS,
+    MAX_CUSTOM_ID_CHARS,
+    MIN_COMPLETION_WINDOW_SECONDS,
+    GiB,
+    InputLimits,
+    MiB,
+    completion_window_seconds,
+)
+
+_SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
+_URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
+_QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,24}$")
+
+
+class ConfigError(ValueError):
+    """The configuration cannot work (the message names the setting)."""
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with any password and secret-looking query values replaced by ``***``.
+
+    ``postgresql://u:pw@h/db`` -> ``postgresql://u:***@h/db``; ``redis://:pw@h`` ->
+    ``redis://:***@h``; ``...?password=x&X-Amz-Signature=y`` -> both values ``***``.
+    """
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url redacted>"
+    out = url
+    if "@" in parts.netloc:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        user, sep, _password = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if sep else parts.netloc
+        out = out.replace(f"//{parts.netloc}", f"//{netloc}", 1)
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        query = urlencode([(k, "***" if _SECRET_QUERY_KEYS.search(k) else v) for k, v in pairs], safe="*")
+        out = out.replace(f"?{parts.query}", f"?{query}", 1)
+    return out
+
+
+class Settings(BaseSettings):
+    """Conveyor's settings. Every field reads ``CONVEYOR_<FIELD NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore", frozen=True)
+
+    home: Path = Field(default_factory=lambda: Path("~/.conveyor"))
+
+    # Services. None -> the embedded default under `home` (see the properties below).
+    database_url: str | None = None
+    broker_url: str | None = None
+    storage_url: str | None = None
+    storage_endpoint_url: str | None = None  # else boto3 reads AWS_ENDPOINT_URL itself
+
+    # Limits on user-provided sizes and counts.
+    # (defaults in ``worker.core.limits``; these fields only add the bounds an operator may set)
+    max_input_bytes: int = Field(DEFAULT_LIMITS.max_input_bytes, ge=1)
+    max_lines_per_job: int = Field(DEFAULT_LIMITS.max_lines, ge=1)
+    max_line_bytes: int = Field(DEFAULT_LIMITS.max_line_bytes, ge=64)
+    max_custom_id_chars: int = Field(DEFAULT_LIMITS.max_custom_id_chars, ge=1, le=MAX_CUSTOM_ID_CHARS)
+    max_tokens: int = Field(DEFAULT_LIMITS.max_tokens, ge=1)
+    default_max_tokens: int = Field(DEFAULT_LIMITS.default_max_tokens, ge=1)
+    max_n: int = Field(DEFAULT_LIMITS.max_n, ge=1, le=64)
+    max_logprobs: int = Field(DEFAULT_LIMITS.max_logprobs, ge=0, le=20)
+    max_stop_sequences: int = Field(DEFAULT_LIMITS.max_stop_sequences, ge=0, le=32)
+    max_stop_token_ids: int = Field(DEFAULT_LIMITS.max_stop_token_ids, ge=0, le=1024)
+    max_messages: int = Field(DEFAULT_LIMITS.max_messages, ge=1)
+    max_shard_size: int = Field(10_000, ge=1)
+    max_priority: int = Field(1000, ge=0)
+
+    # Sharding, leases and write batching.
+    shard_size: int = Field(256, ge=1)
+    lease_seconds: float = Field(60.0, gt=0)
+    heartbeat_seconds: float = Field(10.0, gt=0)
+    item_commit_batch: int = Field(64, ge=1, le=10_000)
+    item_commit_interval_seconds: float = Field(0.5, gt=0)
+    snapshot_interval_seconds: float = Field(5.0, gt=0)
+    multipart_part_bytes: int = Field(8 * MiB, ge=5 * MiB, le=5 * GiB)
+
+    # The worker: which model it serves, how many shard tasks it runs at once (threads),
+    # and the engine's options (``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}').
+    model: str | None = None
+    queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
+    worker_concurrency: int = Field(4, ge=1, le=256)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
+    broker_transport_options: dict[str, Any] = Field(default_factory=dict)
+    broker_visibility_timeout: float = Field(3600.0, gt=0)
+
+    # Fault handling: how often a running shard looks for a cancel, how often each worker
+    # sweeps for shards of dead workers, and how many attempts a failing shard gets (only
+    # attempts that raised in the worker count: not outages, not worker deaths).
+    cancel_poll_seconds: float = Field(1.0, gt=0)
+    sweep_interval_seconds: float = Field(15.0, gt=0)
+    shard_max_attempts: int = Field(3, ge=1, le=100)
+    # A database or storage outage is waited out, not counted: a task holds its shard's
+    # message for up to ``dependency_retry_seconds`` of outage, then hands it back to the
+    # broker (it is delivered again and waits again); a down dependency is checked again
+    # with a backoff of at most ``dependency_backoff_max_seconds``.
+    dependency_retry_seconds: float = Field(900.0, gt=0)
+    dependency_backoff_max_seconds: float = Field(30.0, gt=0)
+    # A worker that dies is not its items' fault, except for a poison item: one that kills
+    # the worker each time it runs alone. After this many such deaths it becomes an error.
+    item_max_crashes: int = Field(3, ge=1, le=100)
+    # An engine step (or taking a request) that has not returned after this long is a hang:
+    # the worker exits, so the hang is handled like a crash (its items' suspects run alone).
+    step_timeout_seconds: float = Field(600.0, gt=0)
+    max_shards_per_job: int = Field(100_000, ge=1)
+    # A worker counts as live (serving its model) while its last heartbeat (every
+    # CONVEYOR_HEARTBEAT_SECONDS) is at most this old; ``submit`` and ``status`` say when none is.
+    worker_live_seconds: float = Field(60.0, gt=0)
+
+    # A job's completion window when its submitter names none ("24h", "1h", "7d", ...): recorded
+    # with its expiry (created_at + window) on the job, as OpenAI's batch object reports them.
+    completion_window: str = DEFAULT_COMPLETION_WINDOW
+    # Tests only: the shortest window a job may have, in seconds (below 3600, windows such as
+    # "5s" are accepted), so that expiry can be tested in seconds.
+    min_completion_window_seconds: int = Field(MIN_COMPLETION_WINDOW_SECONDS, ge=1, le=MIN_COMPLETION_WINDOW_SECONDS)
+
+    log_level: str = "INFO"
+
+    @field_validator("queue_prefix")
+    @classmethod
+    def _check_queue_prefix(cls, value: str) -> str:
+        if not _QUEUE_PREFIX.match(value):
+            raise ValueError(f"CONVEYOR_QUEUE_PREFIX must be 1-24 letters, digits, '_' or '-', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        try:
+            completion_window_seconds(self.completion_window, self.min_completion_window_seconds)
+        except ValueError as exc:
+            raise ValueError(f"CONVEYOR_COMPLETION_WINDOW: {exc}") from None
+        if self.shard_size > self.max_shard_size:
+            raise ValueError(
+                f"CONVEYOR_SHARD_SIZE={self.shard_size} exceeds CONVEYOR_MAX_SHARD_SIZE={self.max_shard_size}"
+            )
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError(
+                f"CONVEYOR_HEARTBEAT_SECONDS={self.heartbeat_seconds} must be at most half of "
+                f"CONVEYOR_LEASE_SECONDS={self.lease_seconds}, or a slow heartbeat loses the lease"
+            )
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"CONVEYOR_DEFAULT_MAX_TOKENS={self.default_max_tokens} exceeds CONVEYOR_MAX_TOKENS={self.max_tokens}"
+            )
+        return self
+
+    # ---- resolved locations -------------------------------------------------------------
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def database(self) -> str:
+        """The SQLAlchemy URL of the database (embedded: SQLite file under home)."""
+        return self.database_url or f"sqlite:///{self.home_dir / 'conveyor.db'}"
+
+    @property
+    def broker(self) -> str:
+        """The Celery broker URL (embedded: kombu's SQLAlchemy transport on SQLite)."""
+        return self.broker_url or f"sqla+sqlite:///{self.home_dir / 'broker.db'}"
+
+    @property
+    def storage(self) -> str:
+        """The object store URL: ``s3://bucket/prefix`` or ``file:///dir`` (embedded)."""
+        return self.storage_url or (self.home_dir / "objects").as_uri()
+
+    @property
+    def is_embedded(self) -> bool:
+        return not (self.database_url or self.broker_url or self.storage_url)
+
+    def ensure_home(self) -> Path:
+        """Create the home directory (for the embedded defaults); returns it."""
+        home = self.home_dir
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(
+            max_input_bytes=self.max_input_bytes,
+            max_lines=self.max_lines_per_job,
+            max_line_bytes=self.max_line_bytes,
+            max_custom_id_chars=self.max_custom_id_chars,
+            max_tokens=self.max_tokens,
+            default_max_tokens=self.default_max_tokens,
+            max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
+            max_stop_sequences=self.max_stop_sequences,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_messages=self.max_messages,
+        )
+
+    # ---- safe display -------------------------------------------------------------------
+
+    def safe_dict(self) -> dict[str, Any]:
+        """All settings plus the resolved URLs, with secrets redacted: safe to log."""
+        data = self.model_dump(mode="json")
+        for name in _URL_FIELDS:
+            data[name] = redact_url(data[name])
+        data["resolved"] = {
+            "database": redact_url(self.database),
+            "broker": redact_url(self.broker),
+            "storage": redact_url(self.storage),
+        }
+        return data
+
+    def __repr_args__(self):  # used by repr() and str()
+        for name, value in super().__repr_args__():
+            yield name, (redact_url(value) if name in _URL_FIELDS else value)
+
+
+def read_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, ``overrides`` (command-line values, None = unset)
+    winning; ``ConfigError`` naming each variable that is wrong and why."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid settings: {'; '.join(_problem(e) for e in exc.errors())}") from None
+    except SettingsError as exc:  # a value that could not even be parsed (e.g. JSON)
+        field = _UNPARSEABLE_FIELD.search(str(exc))
+        name = f"CONVEYOR_{field.group(1).upper()}" if field else "a CONVEYOR_* variable"
+        cause = exc.__cause__
+        what = f"is not valid JSON ({cause})" if isinstance(cause, ValueError) else f"cannot be read ({cause or exc})"
+        raise ConfigError(f"invalid settings: {name} {what}") from None
+
+
+_UNPARSEABLE_FIELD = re.compile(r'field "(\w+)"')
+
+
+def _problem(error: Any) -> str:
+    """One pydantic error as ``CONVEYOR_FIELD: what``; a rule across fields says its own names."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    field = "_".join(str(part) for part in error["loc"]).upper()
+    return f"CONVEYOR_{field}: {message}" if field else message
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return read_settings()

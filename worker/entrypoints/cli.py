@@ -1,0 +1,504 @@
+"""``conveyor``: run | submit | worker | status | results | cancel | db upgrade | bench.
+
+User errors (a missing file, a bad setting, an unknown job, a service that cannot be
+reached) print one line, ``conveyor: error: ...``, and exit 1; URLs are shown redacted.
+
+The commands that drive the engine (``run``, ``worker``, ``bench``) import it when they run:
+torch takes seconds to import, and ``submit``, ``status`` or ``results`` never need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from kombu.exceptions import OperationalError as BrokerError
+from sqlalchemy.exc import OperationalError as DBError
+from tqdm.auto import tqdm
+
+from worker.batchio.records import InputError, InputFormat
+from worker.broker.queues import BrokerUnavailable, queue_name
+from worker.core.settings import ConfigError, Settings, read_settings, redact_url
+from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+from worker.jobs.lifecycle import JobNotFound, NotRetryable
+from worker.jobs.model_names import InvalidModel, canonical_model
+from worker.jobs.object_keys import InvalidJobId
+from worker.jobs.submission import SubmitError
+from worker.store.models import JobStatus
+from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable
+from worker.store.schema import SchemaError, ensure_schema, upgrade_database
+from worker.store.workers import ModelService
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+FORMATS = [f.value for f in InputFormat]
+FORMAT_HELP = "the input's format (default: from its first bytes, then its name)"
+
+
+class UserError(Exception):
+    """An error to show as one line, without a traceback."""
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment; ``overrides`` (command-line values) win and are
+    validated like the rest."""
+    return read_settings(**overrides)
+
+
+def _client(settings: Settings | None = None) -> Client:
+    return Client(settings or load_settings())
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _summary(job: dict[str, Any]) -> str:
+    c = job["request_counts"]
+    parts = [f"{job['id']}  {job['status']}", f"{c['completed']} completed, {c['failed']} failed of {c['total']}"]
+    if job.get("output_uri"):
+        parts.append(f"results: {job['output_uri']}")
+    if job.get("error_uri") and c["failed"]:
+        parts.append(f"errors: {job['error_uri']}")
+    if job.get("errors"):
+        parts.append("; ".join(e.get("message", "") for e in job["errors"]["data"]))
+    return "  |  ".join(parts)
+
+
+def service_note(service: ModelService) -> str | None:
+    """What to say when no live worker serves a job's model (None when one does)."""
+    if service.live:
+        return None
+    start = f"start one with: conveyor worker --model {service.model}"
+    if service.last_heartbeat_at is None:
+        return f"no worker has ever served model {service.model}; {start}"
+    age = max(0.0, time.time() - service.last_heartbeat_at)
+    ago = f"{age / 60:.0f} min" if age >= 60 else f"{age:.0f} s"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(service.last_heartbeat_at))
+    return f"no worker has served model {service.model} for {ago} (last heartbeat {when}); {start}"
+
+
+def no_success_reason(job: dict[str, Any], errors_hint: str) -> str | None:
+    """Why no request of a finished ``job`` succeeded (None if one did); ``errors_hint``
+    says where the errors file is."""
+    counts = job["request_counts"]
+    if counts["completed"]:
+        return None
+    if job.get("errors"):
+        return "; ".join(e.get("message", "") for e in job["errors"]["data"])
+    total = counts["total"]
+    if not total:
+        return "the input has no requests"
+    if not job.get("num_shards"):
+        return f"all {total} lines were rejected, see {errors_hint}"
+    return f"all {total} requests failed, see {errors_hint}"
+
+
+def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False) -> int:
+    """Write to ``path`` (atomically, via a ``.partial`` file) or stdout (``live``: flush
+    every line, for ``--follow``)."""
+    count = 0
+    if path is None or path == "-":
+        out = sys.stdout.buffer
+        for line in lines:
+            out.write(line)
+            count += 1
+            if live or count % 64 == 0:
+                out.flush()
+        out.flush()
+        return count
+    tmp = f"{path}.partial"
+    with open(tmp, "wb") as f:
+        for line in lines:
+            f.write(line)
+            count += 1
+    os.replace(tmp, path)
+    return count
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
+
+    settings = load_settings(worker_concurrency=args.concurrency)
+    bar: Any = None
+    lock = threading.Lock()  # shard threads report progress concurrently
+
+    started: list[dict[str, Any]] = []
+
+    def on_start(job: dict[str, Any]) -> None:
+        nonlocal bar
+        started.append(job)
+        counts = job["request_counts"]
+        if not args.quiet:
+            bar = tqdm(
+                total=counts["total"], initial=counts["failed"], unit="req", desc="conveyor run", file=sys.stderr
+            )
+
+    def on_items(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    try:
+        job = run_job(
+            settings, args.input, args.model, shard_size=args.shard_size, priority=args.priority,
+            input_format=args.format, on_start=on_start, on_items=on_items,
+        )  # fmt: skip
+    except KeyboardInterrupt as exc:
+        job_id = getattr(exc, "job_id", None) or (started[0]["id"] if started else None)
+        if job_id is not None:  # run_job cancelled it; what finished is kept
+            print(
+                f"\nconveyor: interrupted: job {job_id} is cancelled and keeps the requests it finished; "
+                f"get them with: conveyor results {job_id} -o results.jsonl (and --errors for the errors "
+                f"file), with the same CONVEYOR_HOME ({settings.home_dir})",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    client = Client(settings)
+    try:
+        if job["status"] != "failed":
+            _write_lines(client.result_bytes(job["id"]), args.output)
+            if args.errors:
+                _write_lines(client.result_bytes(job["id"], errors=True), args.errors)
+    finally:
+        client.close()
+    print(_summary(job), file=sys.stderr)
+    why = no_success_reason(job, args.errors or "the errors file (--errors FILE writes it)")
+    if why is not None:
+        print(f"conveyor: error: no request succeeded: {why}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0 if job["status"] == "completed" else EXIT_ERROR
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    with _client() as client:
+        job = client.submit(
+            args.input,
+            args.model,
+            args.shard_size,
+            args.priority,
+            input_format=args.format,
+            completion_window=args.completion_window,
+        )
+        live = JobStatus(job["status"]).terminal or client.model_service(job["model"]).live
+    if not live:  # the job stays queued: a worker may start later
+        model = job["model"]
+        print(
+            f"conveyor: warning: no live worker serves model {model}; start one with: conveyor worker --model {model}",
+            file=sys.stderr,
+        )
+    if args.json:
+        _print_json(job)
+    elif job["status"] == "failed":
+        print(_summary(job), file=sys.stderr)
+    else:
+        print(job["id"])
+    if job["status"] == "failed":
+        return EXIT_ERROR
+    # Completed at submission: every line was rejected, nothing will run.
+    why = no_success_reason(job, f"`conveyor results {job['id']} --errors`") if job["status"] == "completed" else None
+    if why is not None:
+        print(f"conveyor: error: no request succeeded: {why}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    # The engine (see the module docstring).
+    from worker.broker.app import create_app
+    from worker.execution.context import WorkerContext
+
+    model = args.model or load_settings().model
+    if not model:
+        raise UserError("no model to serve: pass --model or set CONVEYOR_MODEL")
+    settings = load_settings(worker_concurrency=args.concurrency, model=canonical_model(model))
+    ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
+    try:
+        ensure_schema(settings, ctx.db)
+        ctx.store.check()
+    finally:
+        ctx.close()
+    queue = queue_name(ctx.model, settings.queue_prefix)
+    app = create_app(settings)
+    argv = [
+        "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={queue}",
+        f"--loglevel={args.loglevel or settings.log_level}", "--without-gossip", "--without-mingle",
+        f"--hostname=conveyor-{os.getpid()}@%h",
+    ]  # fmt: skip
+    app.worker_main(argv)
+    return 0
+
+
+def _show(job: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(job)
+    else:
+        print(_summary(job))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client() as client:
+        job = client.status(args.job)
+        service = None if JobStatus(job["status"]).terminal else client.model_service(job["model"])
+    note = None if service is None else service_note(service)
+    if args.json:
+        if service is not None:  # an extra field beside OpenAI's: who serves the job's model
+            job["serving"] = {**service.as_dict(), "note": note}
+        _print_json(job)
+    else:
+        print(_summary(job) + (f"\n{note}" if note else ""))
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    with _client() as client:
+        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow)
+        _write_lines(lines, args.output, live=args.follow)
+    return 0
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    with _client() as client:
+        job = client.retry(args.job)
+    _show(job, args.json)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client() as client:
+        status = client.status(args.job)["status"]
+        if status in ("completed", "failed", "expired"):
+            raise UserError(f"job {args.job} already {status}: there is nothing to cancel")
+        job = client.cancel(args.job)  # a cancelled job stays so: cancelling is idempotent
+    _show(job, args.json)
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client() as client:
+        jobs = client.jobs(args.status or (), limit=args.limit, after=args.after)
+    if args.json:
+        _print_json({"object": "list", "data": jobs, "has_more": len(jobs) == args.limit})
+        return 0
+    for job in jobs:
+        c = job["request_counts"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["created_at"]))
+        print(
+            f"{job['id']}  {job['status']:<11}  {c['completed']}/{c['failed']}/{c['total']} done/failed/total  "
+            f"{created}  {job['model']}"
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import TokenRange, format_result, run_bench  # the engine (see the module docstring)
+
+    settings = load_settings()
+    result = run_bench(
+        args.model,
+        requests=args.requests,
+        prompt_tokens=TokenRange.parse(args.prompt_tokens, "--prompt-tokens"),
+        output_tokens=TokenRange.parse(args.output_tokens, "--output-tokens"),
+        shared_prefix=args.shared_prefix,
+        seed=args.seed,
+        engine_args=settings.engine_args,
+    )
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(format_result(result))
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    if settings.database_url is None:
+        settings.ensure_home()
+    revision = upgrade_database(settings.database)
+    print(f"database {redact_url(settings.database)} is at schema revision {revision}")
+    return 0
+
+
+# ---- parser -----------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _version() -> str:
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+JOB_HELP = "the job id (batch_...), as submit printed it"
+JSON_HELP = "print the job object as JSON (OpenAI's batch object)"
+MODEL_HELP = "hub id (e.g. Qwen/Qwen3-0.6B) or local checkpoint directory"
+INPUT_HELP = "input file: OpenAI Batch JSONL, plain JSONL with a prompt or messages, CSV or Parquet"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="conveyor",
+        description="Queue-driven batch inference for LLMs. Configuration: CONVEYOR_* environment variables "
+        "(README); with none set, everything lives under CONVEYOR_HOME (~/.conveyor).",
+    )
+    p.add_argument("--version", action="version", version=f"conveyor {_version()}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a whole job in this process (no broker needed)")
+    run.add_argument("input", help=INPUT_HELP)
+    run.add_argument("--model", required=True, help=MODEL_HELP)
+    run.add_argument("-o", "--output", help="write the results file here (default: stdout)")
+    run.add_argument("--errors", help="write the errors file here")
+    run.add_argument("--format", choices=FORMATS, help=FORMAT_HELP)
+    run.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
+    run.add_argument("--priority", type=_positive_int, help="the job's priority: lower runs first (default 0)")
+    run.add_argument(
+        "--concurrency", type=_positive_int, help="shards run at once (default CONVEYOR_WORKER_CONCURRENCY)"
+    )
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(fn=cmd_run)
+
+    submit = sub.add_parser("submit", help="validate and enqueue a job; prints its id")
+    submit.add_argument("input", help=INPUT_HELP)
+    submit.add_argument("--model", required=True, help=MODEL_HELP + "; workers serving it must run")
+    submit.add_argument("--format", choices=FORMATS, help=FORMAT_HELP)
+    submit.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
+    submit.add_argument("--priority", type=_positive_int, help="lower runs first under the priority policy (0)")
+    submit.add_argument(
+        "--completion-window", help="e.g. 24h, 1h, 7d (up to 30d; default CONVEYOR_COMPLETION_WINDOW, 24h)"
+    )
+    submit.add_argument("--json", action="store_true", help=JSON_HELP)
+    submit.set_defaults(fn=cmd_submit)
+
+    worker = sub.add_parser("worker", help="serve a model's queue (Celery worker, threads pool)")
+    worker.add_argument("--model", help=MODEL_HELP + " (default CONVEYOR_MODEL)")
+    worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
+    worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
+    worker.set_defaults(fn=cmd_worker)
+
+    jobs = sub.add_parser("jobs", help="list jobs, newest first")
+    jobs.add_argument(
+        "--status", action="append", choices=[s.value for s in JobStatus], help="only jobs in this status (repeatable)"
+    )
+    jobs.add_argument("--limit", type=_positive_int, default=20, help="at most this many (default 20, up to 1000)")
+    jobs.add_argument("--after", help="only jobs created before this job id (to page on)")
+    jobs.add_argument("--json", action="store_true", help="print an OpenAI-style list of batch objects")
+    jobs.set_defaults(fn=cmd_jobs)
+
+    status = sub.add_parser("status", help="show a job")
+    status.add_argument("job", help=JOB_HELP)
+    status.add_argument("--json", action="store_true", help=JSON_HELP)
+    status.set_defaults(fn=cmd_status)
+
+    results = sub.add_parser("results", help="print (or save) a job's results or errors file")
+    results.add_argument("job", help=JOB_HELP)
+    results.add_argument("-o", "--output", help="write here instead of stdout")
+    results.add_argument("--errors", action="store_true", help="the errors file instead")
+    results.add_argument("--follow", action="store_true", help="stream a running job's results as shards finish")
+    results.set_defaults(fn=cmd_results)
+
+    cancel = sub.add_parser("cancel", help="cancel a job (results so far are kept)")
+    cancel.add_argument("job", help=JOB_HELP)
+    cancel.add_argument("--json", action="store_true", help=JSON_HELP)
+    cancel.set_defaults(fn=cmd_cancel)
+
+    retry = sub.add_parser("retry", help="enqueue again a job whose shards could not be enqueued at submit")
+    retry.add_argument("job", help=JOB_HELP)
+    retry.add_argument("--json", action="store_true", help=JSON_HELP)
+    retry.set_defaults(fn=cmd_retry)
+
+    bench = sub.add_parser("bench", help="measure the engine on this machine with a synthetic batch workload")
+    bench.add_argument("--model", required=True, help=MODEL_HELP)
+    bench.add_argument("--requests", type=int, default=256, help="requests, all submitted at once (default 256)")
+    bench.add_argument("--prompt-tokens", default="64-512", help="N or LOW-HIGH (default 64-512)")
+    bench.add_argument("--output-tokens", default="10-500", help="N or LOW-HIGH, EOS ignored (default 10-500)")
+    bench.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix every prompt shares")
+    bench.add_argument("--seed", type=int, default=0, help="random seed of the prompts and lengths (default 0)")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(fn=cmd_bench)
+
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    upgrade = db_sub.add_parser("upgrade", help="apply the migrations (creates the schema)")
+    upgrade.set_defaults(fn=cmd_db_upgrade)
+    return p
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    return (
+        UserError, ConfigError, InputError, InvalidModel, InvalidJobId, JobNotFound, JobNotFinished, JobFailed,
+        SubmitError,
+        NotRetryable, SchemaError, ObjectNotFound, InvalidKey, StorageUnavailable, BrokerUnavailable,
+        FileNotFoundError, IsADirectoryError, PermissionError, TimeoutError, ValueError, DBError, BrokerError,
+    )  # fmt: skip
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, DBError):
+        lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        return f"cannot use the database: {lines[0] if lines else type(exc).__name__}"
+    text = str(exc) or type(exc).__name__
+    if type(exc).__module__.startswith("kombu"):
+        return f"cannot reach the broker: {text}"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    fn: Callable[[argparse.Namespace], int] = args.fn
+    try:
+        return fn(args)
+    except KeyboardInterrupt:
+        print("conveyor: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        if args.debug or not isinstance(exc, _user_error_types()):
+            if not args.debug:
+                print(
+                    f"conveyor: internal error: {type(exc).__name__}: {exc} (run with --debug for details)",
+                    file=sys.stderr,
+                )
+                return EXIT_ERROR
+            raise
+        print(f"conveyor: error: {_describe(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

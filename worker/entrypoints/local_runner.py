@@ -1,0 +1,118 @@
+"""A whole job in this process (``conveyor run``): the same submit, shard and finalise code
+as the queued path, with the shards run by a thread pool here instead of through a broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from worker.core.settings import Settings
+from worker.entrypoints.client import Client, InputSource
+from worker.execution.context import WorkerContext
+from worker.execution.dependency_gate import DependencyUnavailable
+from worker.execution.engine_host import EngineHost
+from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
+from worker.jobs.finalize import finalize_if_ready
+from worker.store.models import JobStatus
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = 1.0
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C once the job existed: it was cancelled (what finished is kept); ``job_id`` names it."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
+def _run_with_retries(ctx: WorkerContext, job_id: str, index: int) -> ShardOutcome:
+    while True:
+        try:
+            return run_shard(ctx, job_id, index)
+        except RetryShard as exc:
+            log.warning("shard %d failed (%s); retrying", index, exc)
+            time.sleep(RETRY_SECONDS)
+        except DependencyUnavailable as exc:
+            log.warning("%s; still waiting", exc)  # no broker to hand it back to: wait on
+
+
+def run_job(
+    settings: Settings,
+    source: InputSource,
+    model: str,
+    *,
+    shard_size: int | None = None,
+    priority: int | None = None,
+    input_format: str | None = None,
+    concurrency: int | None = None,
+    on_start: Callable[[dict[str, Any]], None] | None = None,
+    on_items: Callable[[int], None] | None = None,
+    host_factory: Callable[[], EngineHost] | None = None,
+) -> dict[str, Any]:
+    """Submit ``source`` without a broker, run every shard here, return the final job.
+    ``on_start(job)`` runs once the input is validated (e.g. to size a progress bar).
+    Ctrl-C cancels the job (results so far are kept) and re-raises."""
+    if concurrency is not None and not 1 <= concurrency <= 256:
+        raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
+    if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
+        raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
+    client = Client(settings)
+    ctx: WorkerContext | None = None
+    try:
+        ctx = WorkerContext.create(settings, model, on_items=on_items, host_factory=host_factory)
+        ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        created: list[str] = []
+        try:
+            job = client.submit(
+                source, model, shard_size, priority, input_format=input_format, enqueue=False, on_created=created.append
+            )
+            if JobStatus(job["status"]).terminal:
+                if on_start is not None:
+                    on_start(job)
+                return job
+            _run_shards(client, ctx, job, concurrency or settings.worker_concurrency, on_start)
+        except KeyboardInterrupt:
+            # Ctrl-C may land anywhere once the job exists, even before ``on_start``: cancel it
+            # (idempotent) and name it, unless it never got past validation (then it failed).
+            if not created or client.cancel(created[0])["status"] == JobStatus.failed.value:
+                raise
+            raise RunInterrupted(created[0]) from None
+        finalize_if_ready(client.db, client.store, job["id"], heartbeat_seconds=settings.heartbeat_seconds)
+        return client.status(job["id"])
+    finally:
+        if ctx is not None:
+            ctx.close()
+        client.close()
+
+
+def _run_shards(
+    client: Client,
+    ctx: WorkerContext,
+    job: dict[str, Any],
+    concurrency: int,
+    on_start: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Every shard of ``job`` on a thread pool. Ctrl-C at any point cancels the job first (the
+    running shards then stop within ``cancel_poll_seconds``, keeping what finished) and only
+    then waits for them; shards not started yet never start."""
+    pool = ThreadPoolExecutor(max(1, min(concurrency, job["num_shards"])), thread_name_prefix="conveyor-shard")
+    try:
+        if on_start is not None:
+            on_start(job)
+        futures = [pool.submit(_run_with_retries, ctx, job["id"], i) for i in range(job["num_shards"])]
+        for future in futures:
+            future.result()
+    except KeyboardInterrupt:
+        client.cancel(job["id"])
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

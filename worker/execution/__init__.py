@@ -1,0 +1,4 @@
+"""Layer 4: running shards.
+
+The engine host (one engine per process), the worker context, the shard runner, item records.
+"""

@@ -1,0 +1,122 @@
+"""What a worker process holds for its whole life: settings, the database engine, the
+object store, the model it serves, (created once, lazily, under a lock) its engine host,
+its dependency gate (``dependency_gate``) and its quarantine lane (one group of suspect
+items in the engine at a time: ``shard_runner``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from engine import EngineConfig
+from worker.core.settings import ConfigError, Settings, redact_url
+from worker.execution.dependency_gate import DependencyGate
+from worker.execution.engine_host import EngineHost
+from worker.jobs import object_keys
+from worker.jobs.model_names import canonical_model
+from worker.store.database import create_db_engine
+from worker.store.faults import DATABASE, STORAGE
+from worker.store.objects.base import ObjectStore
+from worker.store.objects.factory import open_store_from_settings
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings, model: str) -> EngineConfig:
+    """``EngineConfig`` for ``model`` with ``CONVEYOR_ENGINE_ARGS`` applied. Jobs carry a
+    priority, so the scheduler defaults to the ``priority`` policy (FCFS among equals)."""
+    args = {"scheduling_policy": "priority", **settings.engine_args}
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ConfigError(
+            f"CONVEYOR_ENGINE_ARGS has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    try:
+        return EngineConfig(model=model, **args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"CONVEYOR_ENGINE_ARGS: {exc}") from None
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    db: Engine
+    store: ObjectStore
+    model: str  # canonical
+    worker_id: str = field(default_factory=worker_id)
+    host_factory: Callable[[], EngineHost] | None = None
+    on_items: Callable[[int], None] | None = None  # progress: items newly stored
+    gate: DependencyGate = field(init=False, repr=False)
+    quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _host: EngineHost | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        checks = {DATABASE: self._check_database, STORAGE: self.store.check}
+        self.gate = DependencyGate(checks, backoff_max=self.settings.dependency_backoff_max_seconds)
+
+    def _check_database(self) -> None:
+        with self.db.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    @classmethod
+    def create(cls, settings: Settings, model: str | None = None, **kwargs: Any) -> WorkerContext:
+        name = model or settings.model
+        if not name:
+            raise ConfigError("no model to serve: pass --model or set CONVEYOR_MODEL")
+        canonical = canonical_model(name)
+        if settings.is_embedded:
+            settings.ensure_home()
+        db = create_db_engine(settings.database)
+        store = open_store_from_settings(settings)
+        ctx = cls(settings, db, store, canonical, **kwargs)
+        if ctx.host_factory is None:
+            config = engine_config(settings, canonical)  # fail now on bad engine args
+            ctx.host_factory = lambda: EngineHost.from_config(config, step_timeout=settings.step_timeout_seconds)
+        return ctx
+
+    def host(self) -> EngineHost:
+        """The process's engine host, loading the model on first use (once per process)."""
+        host = self._host
+        if host is not None and host.pid == os.getpid() and host.alive:
+            return host
+        with self._lock:
+            if self._host is None or self._host.pid != os.getpid() or not self._host.alive:
+                assert self.host_factory is not None
+                log.info("loading model %s", self.model)
+                self._host = self.host_factory()
+            return self._host
+
+    @property
+    def host_started(self) -> bool:
+        return self._host is not None
+
+    def job_store(self, job_id: str) -> ObjectStore:
+        return self.store.scoped(object_keys.job_prefix(job_id))
+
+    def describe(self) -> str:
+        s = self.settings
+        return (
+            f"model {self.model}; database {redact_url(s.database)}, "
+            f"broker {redact_url(s.broker)}, storage {redact_url(s.storage)}"
+        )
+
+    def close(self) -> None:
+        self.gate.close()
+        if self._host is not None:
+            self._host.close()
+        self.db.dispose()

@@ -1,0 +1,332 @@
+"""The engine host: one ``LLMEngine`` per worker process, owned by one loop thread.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (the loop) ever calls it. Any
+thread may ``submit`` a request (it gets a ``RequestHandle`` whose future resolves to a
+``Completion``) or ``abort`` one. The loop drains submissions and aborts between steps, so
+requests from many shard tasks join the running batch mid-flight; it sleeps on a condition
+variable when there is nothing to do (no busy spin). A request the engine rejects (bad
+input, prompt too long) resolves to a rejected ``Completion``; an exception inside a step
+fails every in-flight future with ``EngineFailure`` (none is left hanging) and the loop
+goes on with new requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from worker.core.periodic import Periodic
+
+log = logging.getLogger(__name__)
+
+
+# Test-only, off unless set: a process whose engine gets a prompt containing this text
+# dies on the spot, as if a kernel crashed on it (how tests make a poison item).
+_TEST_CRASH_ON = os.environ.get("CONVEYOR_TEST_CRASH_ON") or None
+
+
+# Test-only likewise: a prompt containing this text makes the engine hang (how tests make
+# a poison item that hangs the worker instead of crashing it).
+_TEST_HANG_ON = os.environ.get("CONVEYOR_TEST_HANG_ON") or None
+
+# The exit status of a worker whose engine hung (a crash of the test hook exits 70).
+HUNG_EXIT_CODE = 71
+
+
+def _crash_if_poison(prompt: Any) -> None:
+    if _TEST_CRASH_ON is not None and _TEST_CRASH_ON in str(prompt):
+        os._exit(70)
+    if _TEST_HANG_ON is not None and _TEST_HANG_ON in str(prompt):
+        threading.Event().wait()  # forever
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while running a request (not the request's fault)."""
+
+
+class HostClosed(RuntimeError):
+    """The engine host was shut down before the request finished."""
+
+
+@dataclass
+class Completion:
+    """How a request ended: its final output per sample (``outputs[i].index == i``), or
+    ``rejected`` with ``error`` when the engine refused it at submission."""
+
+    request_id: str
+    outputs: list[RequestOutput] = field(default_factory=list)
+    rejected: bool = False
+    error: str | None = None
+    aborted_before_start: bool = False
+
+    @property
+    def aborted(self) -> bool:
+        return self.aborted_before_start or any(o.finish_reason == "abort" for o in self.outputs)
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One submitted request. ``tag`` is the submitter's own data, handed back untouched."""
+
+    request_id: str
+    future: Future[Completion]
+    tag: Any = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+@dataclass
+class HostStats:
+    """The latest engine stats (refreshed by the loop thread) plus host counters."""
+
+    engine: Any | None  # engine.EngineStats; None before the first refresh
+    live_requests: int
+    submitted: int
+    finished: int
+    updated_at: float  # time.time() of the engine stats
+
+
+@dataclass
+class _Submission:
+    handle: RequestHandle
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    on_done: Callable[[RequestHandle], None] | None
+
+
+@dataclass
+class _Live:
+    submission: _Submission
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+
+class EngineHost:
+    """Owns an engine and the one thread allowed to drive it."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        stats_interval: float = 0.5,
+        name: str = "conveyor-engine",
+        step_timeout: float | None = None,
+    ) -> None:
+        self._engine = engine
+        # When the loop thread's current engine work began (None while it waits): what the
+        # watchdog reads. A hung step cannot be interrupted from Python, only ended with the
+        # process; exiting turns the hang into a death, which the shard leases recover from
+        # and which isolates the item that caused it (see execution/shard_runner.py).
+        self._working_since: float | None = None
+        self._step_timeout = step_timeout
+        self._watchdog = (
+            Periodic("conveyor-step-watchdog", min(5.0, step_timeout / 4), self._exit_if_hung, run_first=False).start()
+            if step_timeout is not None
+            else None
+        )
+        self._stats_interval = stats_interval
+        self._cv = threading.Condition()
+        self._inbox: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._closing = False
+        self._ids = itertools.count()
+        self._prefix = f"h{os.getpid()}-{id(self) & 0xFFFF:x}-"
+        self._live: dict[str, _Live] = {}  # loop thread only
+        self._submitted = 0
+        self._finished = 0
+        self._stats = HostStats(None, 0, 0, 0, 0.0)
+        self._stats_at = 0.0
+        self.pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> EngineHost:
+        return cls(LLMEngine(config), **kwargs)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (read-only use from other threads: decoding token ids)."""
+        return self._engine.tokenizer
+
+    # ---- any thread -------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tag: Any = None,
+        on_done: Callable[[RequestHandle], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a request for the engine; ``on_done(handle)`` runs (on the loop thread)
+        once its future is resolved. Never blocks on the engine."""
+        handle = RequestHandle(f"{self._prefix}{next(self._ids)}", Future(), tag)
+        sub = _Submission(handle, prompt, params, priority, on_done)
+        with self._cv:
+            if self._closing:
+                raise HostClosed("the engine host is shut down")
+            self._inbox.append(sub)
+            self._submitted += 1
+            self._cv.notify()
+        return handle
+
+    def abort(self, handle: RequestHandle | str) -> None:
+        """Stop a request; its future resolves with ``finish_reason == "abort"`` outputs
+        (or outputs that finished first). Unknown or finished requests are ignored."""
+        request_id = handle if isinstance(handle, str) else handle.request_id
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def stats(self) -> HostStats:
+        with self._cv:
+            return self._stats
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; requests still queued or running fail with ``HostClosed``."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the loop thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        busy = False
+        self._refresh_stats(force=True)
+        while True:
+            with self._cv:
+                while not (self._inbox or self._aborts or busy or self._closing):
+                    self._cv.wait()
+                if self._closing:
+                    inbox, self._inbox = self._inbox, []
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            pending_aborts = set(aborts)
+            self._working_since = time.monotonic()
+            for sub in inbox:
+                if sub.handle.request_id in pending_aborts:  # aborted before it ever ran
+                    pending_aborts.discard(sub.handle.request_id)
+                    self._resolve(sub, Completion(sub.handle.request_id, aborted_before_start=True))
+                else:
+                    self._add(sub)
+            for request_id in pending_aborts:
+                if request_id in self._live:
+                    self._engine_call(self._engine.abort_request, request_id)
+            if self._engine_has_work():
+                self._step()
+            busy = self._engine_has_work()
+            self._working_since = None
+            self._refresh_stats(force=not busy)
+        self._shutdown(inbox)
+
+    def _exit_if_hung(self) -> None:
+        since, limit = self._working_since, self._step_timeout
+        if since is None or limit is None or time.monotonic() - since < limit:
+            return
+        log.critical(
+            "the engine has not returned for %.0f s (CONVEYOR_STEP_TIMEOUT_SECONDS=%g) with %d requests in "
+            "flight: exiting, so that a hang is recovered like a crash",
+            time.monotonic() - since,
+            limit,
+            len(self._live),
+        )
+        logging.shutdown()
+        os._exit(HUNG_EXIT_CODE)
+
+    def _engine_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+            return None
+
+    def _engine_has_work(self) -> bool:
+        return bool(self._engine_call(self._engine.has_unfinished_requests))
+
+    def _add(self, sub: _Submission) -> None:
+        rid = sub.handle.request_id
+        _crash_if_poison(sub.prompt)
+        try:
+            self._engine.add_request(rid, sub.prompt, sub.params, priority=sub.priority)
+        except ValueError as exc:
+            self._resolve(sub, Completion(rid, rejected=True, error=str(exc)))
+            return
+        except Exception as exc:
+            log.exception("engine.add_request failed")
+            self._resolve(sub, EngineFailure(f"the engine failed to take the request: {type(exc).__name__}: {exc}"))
+            return
+        self._live[rid] = _Live(sub)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing %d in-flight requests", len(self._live))
+            failure = EngineFailure(f"the engine failed during a step: {type(exc).__name__}: {exc}")
+            live, self._live = self._live, {}
+            for rid, entry in live.items():
+                self._engine_call(self._engine.abort_request, rid)
+                self._resolve(entry.submission, failure)
+            return
+        for out in outputs:
+            if not out.finished:
+                continue
+            live_entry = self._live.get(out.request_id)
+            if live_entry is None:  # a late abort of a request already failed
+                continue
+            live_entry.outputs[out.index] = out
+            if len(live_entry.outputs) == live_entry.submission.params.n:
+                del self._live[out.request_id]
+                ordered = [live_entry.outputs[i] for i in sorted(live_entry.outputs)]
+                self._resolve(live_entry.submission, Completion(out.request_id, ordered))
+
+    def _resolve(self, sub: _Submission, outcome: Completion | BaseException) -> None:
+        if isinstance(outcome, BaseException):
+            sub.handle.future.set_exception(outcome)
+        else:
+            sub.handle.future.set_result(outcome)
+        with self._cv:
+            self._finished += 1
+        if sub.on_done is not None:
+            try:
+                sub.on_done(sub.handle)
+            except Exception:
+                log.exception("on_done callback failed")
+
+    def _refresh_stats(self, force: bool) -> None:
+        t = time.monotonic()
+        if not force and t - self._stats_at < self._stats_interval:
+            return
+        self._stats_at = t
+        engine_stats = self._engine_call(self._engine.stats)
+        with self._cv:
+            self._stats = HostStats(engine_stats, len(self._live), self._submitted, self._finished, time.time())
+
+    def _shutdown(self, inbox: list[_Submission]) -> None:
+        closed = HostClosed("the engine host shut down before the request finished")
+        for sub in inbox:
+            self._resolve(sub, closed)
+        live, self._live = self._live, {}
+        for entry in live.values():
+            self._resolve(entry.submission, closed)
+        self._refresh_stats(force=True)

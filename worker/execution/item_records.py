@@ -1,0 +1,169 @@
+"""Between a parsed input line and a stored item: the engine prompt going in, and the
+``ItemRecord`` (response body or error, usage, per-item metrics) coming out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine import RequestOutput, SamplingParams
+from worker.batchio.output_lines import Choice, response_body, stable_id
+from worker.batchio.records import ParsedRequest
+from worker.batchio.request_body import CHAT
+from worker.execution.engine_host import Completion
+from worker.store.items import ItemRecord
+from worker.store.models import ItemStatus
+
+TokenText = Callable[[int], str]
+
+
+def clean_text(text: str) -> str:
+    """Model text as stored: NUL becomes U+FFFD (PostgreSQL's JSONB and text refuse NUL)."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+@dataclass(frozen=True)
+class ItemContext:
+    """What every item of one shard shares."""
+
+    job_id: str
+    model: str
+    shard_index: int
+    worker_id: str
+
+
+def engine_prompt(req: ParsedRequest) -> Any:
+    """The prompt in the form ``LLMEngine.add_request`` takes."""
+    if req.messages is not None:
+        return {"messages": req.messages}
+    return req.prompt
+
+
+def sampling_params(req: ParsedRequest) -> SamplingParams:
+    """``SamplingParams`` of a request (``ValueError`` naming the field if the engine refuses).
+    Final-only: the engine host keeps only finished outputs, so the engine need not build
+    one per step."""
+    return SamplingParams(**{**req.sampling, "stream": False})
+
+
+def error_record(
+    ctx: ItemContext, req: ParsedRequest, *, code: str, message: str, status_code: int, param: str | None = None
+) -> ItemRecord:
+    return ItemRecord(
+        job_id=ctx.job_id,
+        custom_id=req.custom_id,
+        shard_index=ctx.shard_index,
+        line=req.line,
+        status=ItemStatus.failed,
+        status_code=status_code,
+        request_id=stable_id("req_", ctx.job_id, req.custom_id),
+        error={"code": code, "message": clean_text(message), "param": param},
+        worker_id=ctx.worker_id,
+    )
+
+
+def completion_record(
+    ctx: ItemContext, req: ParsedRequest, completion: Completion, token_text: TokenText
+) -> ItemRecord:
+    """The stored item for a request the engine finished (or refused)."""
+    if completion.rejected:
+        return error_record(ctx, req, code="invalid_request", message=completion.error or "rejected", status_code=400)
+    outputs = completion.outputs
+    failed = next((o for o in outputs if o.finish_reason == "error"), None)
+    if failed is not None:
+        return error_record(
+            ctx,
+            req,
+            code="engine_error",
+            message=failed.error or "the engine failed on this request",
+            status_code=500,
+        )
+    top = req.sampling.get("logprobs")
+    choices = [
+        Choice(
+            clean_text(o.text),
+            o.finish_reason,
+            _logprobs(req.endpoint, o, top, token_text) if top is not None else None,
+        )
+        for o in outputs
+    ]
+    first = outputs[0]
+    prompt_tokens = len(first.prompt_token_ids)
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    prefix = "chatcmpl-" if req.endpoint == CHAT else "cmpl-"
+    body = response_body(
+        req.endpoint,
+        response_id=stable_id(prefix, ctx.job_id, req.custom_id),
+        model=ctx.model,
+        created=int(time.time()),
+        choices=choices,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=first.num_cached_tokens,
+    )
+    m = first.metrics
+    e2e = [o.metrics.e2e_latency for o in outputs if o.metrics.e2e_latency is not None]
+    return ItemRecord(
+        job_id=ctx.job_id,
+        custom_id=req.custom_id,
+        shard_index=ctx.shard_index,
+        line=req.line,
+        status=ItemStatus.succeeded,
+        status_code=200,
+        request_id=stable_id("req_", ctx.job_id, req.custom_id),
+        response=body,
+        finish_reason=first.finish_reason,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=first.num_cached_tokens,
+        completion_tokens=completion_tokens,
+        preemptions=sum(o.metrics.num_preemptions for o in outputs),
+        queue_time=m.queue_time,
+        ttft=m.time_to_first_token,
+        tpot=m.time_per_output_token,
+        e2e=max(e2e) if e2e else None,
+        worker_id=ctx.worker_id,
+    )
+
+
+def _logprobs(endpoint: str, out: RequestOutput, top: int, token_text: TokenText) -> dict[str, Any] | None:
+    """The engine's per-token ``{token_id: logprob}`` in the endpoint's OpenAI shape."""
+    if out.logprobs is None:
+        return None
+    chosen: list[tuple[str, float | None]] = []
+    alternatives: list[list[tuple[str, float]]] = []
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=False):
+        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        lp = entry.get(token_id)
+        chosen.append((token_text(token_id), None if lp is None else _finite(lp)))
+        alternatives.append([(token_text(t), _finite(p)) for t, p in ranked])
+    if endpoint == CHAT:
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8"))} for t, p in alts],
+                }
+                for (text, lp), alts in zip(chosen, alternatives, strict=True)
+            ],
+            "refusal": None,
+        }
+    offsets, pos = [], 0
+    for text, _ in chosen:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "tokens": [text for text, _ in chosen],
+        "token_logprobs": [lp for _, lp in chosen],
+        "top_logprobs": [dict(alts) for alts in alternatives],
+        "text_offset": offsets,
+    }
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf (Postgres JSONB refuses it): clamp to a very small number."""
+    value = float(logprob)
+    return value if value > -1e30 else -9999.0

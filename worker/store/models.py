@@ -1,0 +1,340 @@
+"""The database schema: SQLAlchemy 2.0 typed models (engines and sessions: ``database``).
+
+Tables: ``jobs`` (mirrors OpenAI's batch object), ``shards`` (a line range of a job, run by
+one Celery task under a lease), ``items`` (one finished request, idempotent on
+``(job_id, custom_id)``, with its per-item metrics), ``item_crashes`` (items whose worker
+died while they ran alone), ``engine_snapshots`` (periodic per-worker engine stats) and
+``workers`` (the registry: which worker process serves which model, with a heartbeat). The
+schema changes only through ``migrations/``.
+
+Times are Unix epoch seconds (float) everywhere: portable across SQLite and Postgres and
+what the OpenAI batch object reports.
+
+A job's files have OpenAI-style ids in its batch object, derived from the job id (there is
+no Files API yet): ``file-<hex>`` names the stored input, ``file-<hex>-results`` and
+``file-<hex>-errors`` the results and errors files, where the job id is ``batch_<hex>``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Double,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from worker.core.limits import DEFAULT_COMPLETION_WINDOW, MAX_CUSTOM_ID_CHARS
+
+# JSON documents: JSONB on Postgres, JSON (text) elsewhere.
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+# Auto-increment 64-bit keys; SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+ID_LEN = 64
+URI_LEN = 2048
+CUSTOM_ID_LEN = MAX_CUSTOM_ID_CHARS
+MODEL_LEN = 256
+
+
+def now() -> float:
+    return time.time()
+
+
+class JobStatus(str, enum.Enum):
+    validating = "validating"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+    # Past its completion window: finished requests kept, the rest ``batch_expired`` errors.
+    expired = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.expired)
+
+
+class ShardStatus(str, enum.Enum):
+    pending = "pending"  # waiting for (or between) attempts
+    running = "running"  # held under a lease
+    completed = "completed"  # part files written
+    failed = "failed"  # gave up after the retry limit
+    cancelled = "cancelled"
+
+
+class WorkerState(str, enum.Enum):
+    starting = "starting"  # registered, loading its model: not serving yet
+    ready = "ready"  # consuming its model's queue
+    stopped = "stopped"  # shut down cleanly
+    failed = "failed"  # could not start (its ``error`` says why)
+
+
+class ItemStatus(str, enum.Enum):
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+def _str_enum(cls: type[enum.Enum]) -> Enum:
+    # VARCHAR + Python-side validation; adding a status needs no schema change.
+    return Enum(
+        cls,
+        native_enum=False,
+        create_constraint=False,
+        length=16,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    status: Mapped[JobStatus] = mapped_column(_str_enum(JobStatus), default=JobStatus.validating)
+    model: Mapped[str] = mapped_column(String(MODEL_LEN))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    # The first request's (OpenAI Batch lines must all share it); set at submission.
+    endpoint: Mapped[str | None] = mapped_column(String(64))
+    input_format: Mapped[str | None] = mapped_column(String(16))  # openai | jsonl | csv
+    shard_size: Mapped[int] = mapped_column(Integer)
+    num_shards: Mapped[int] = mapped_column(Integer, default=0)
+
+    input_uri: Mapped[str | None] = mapped_column(String(URI_LEN))
+    output_uri: Mapped[str | None] = mapped_column(String(URI_LEN))
+    error_uri: Mapped[str | None] = mapped_column(String(URI_LEN))
+
+    # request_counts: every input line counts in `total`; `failed` includes `invalid`
+    # (lines rejected at validation, which never become items).
+    total_requests: Mapped[int] = mapped_column(Integer, default=0)
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    invalid_requests: Mapped[int] = mapped_column(Integer, default=0)
+
+    # usage aggregates (summed over items at finalisation) and latency metrics (percentiles).
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)  # job-level errors
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONType)
+
+    # OpenAI's completion window ("24h", "7d", ...) and the moment it ends (created_at + window).
+    completion_window: Mapped[str] = mapped_column(
+        String(16), default=DEFAULT_COMPLETION_WINDOW, server_default=DEFAULT_COMPLETION_WINDOW
+    )
+    expires_at: Mapped[float | None] = mapped_column(Double)
+
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    updated_at: Mapped[float] = mapped_column(Double, default=now, onupdate=now)
+    in_progress_at: Mapped[float | None] = mapped_column(Double)
+    finalizing_at: Mapped[float | None] = mapped_column(Double)
+    completed_at: Mapped[float | None] = mapped_column(Double)
+    failed_at: Mapped[float | None] = mapped_column(Double)
+    cancelling_at: Mapped[float | None] = mapped_column(Double)
+    cancelled_at: Mapped[float | None] = mapped_column(Double)
+    # Set when the job passed its window (it is ``cancelling`` while running shards stop,
+    # then ``expired``).
+    expired_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
+
+    def as_batch_object(self) -> dict[str, Any]:
+        """The job as OpenAI's batch object (what ``status --json`` and the client show): it
+        validates as ``openai.types.Batch``. Extra fields: ``priority``, the files' URIs
+        (``input_uri``, ``output_uri``, ``error_uri``), ``metrics``, ``shard_size``, ``num_shards``."""
+
+        def ts(value: float | None) -> int | None:
+            return None if value is None else int(value)
+
+        input_file_id = "file-" + self.id.removeprefix("batch_")
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "status": JobStatus(self.status).value,
+            "completion_window": self.completion_window,
+            "input_file_id": input_file_id,
+            # Named once written, and only when they hold lines (as OpenAI does).
+            "output_file_id": f"{input_file_id}-results" if self.output_uri and self.completed_requests else None,
+            "error_file_id": f"{input_file_id}-errors" if self.error_uri and self.failed_requests else None,
+            "priority": self.priority,
+            "input_uri": self.input_uri,
+            "output_uri": self.output_uri,
+            "error_uri": self.error_uri,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "created_at": ts(self.created_at),
+            "expires_at": ts(self.expires_at),
+            "in_progress_at": ts(self.in_progress_at),
+            "finalizing_at": ts(self.finalizing_at),
+            "completed_at": ts(self.completed_at),
+            "failed_at": ts(self.failed_at),
+            "expired_at": ts(self.expired_at),
+            "cancelling_at": ts(self.cancelling_at),
+            "cancelled_at": ts(self.cancelled_at),
+            "request_counts": {
+                "total": self.total_requests,
+                "completed": self.completed_requests,
+                "failed": self.failed_requests,
+            },
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning models here
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            },
+            "metrics": self.metrics,
+            "metadata": self.meta,
+            "shard_size": self.shard_size,
+            "num_shards": self.num_shards,
+        }
+
+
+class Shard(Base):
+    """A run of a job's valid requests: ``num_items`` of them, from input line ``first_line``
+    to ``last_line`` (1-based, inclusive; rejected lines in between are not part of it)."""
+
+    __tablename__ = "shards"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    shard_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_line: Mapped[int] = mapped_column(Integer)
+    last_line: Mapped[int] = mapped_column(Integer)
+    num_items: Mapped[int] = mapped_column(Integer)
+    status: Mapped[ShardStatus] = mapped_column(_str_enum(ShardStatus), default=ShardStatus.pending)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # leases taken (every start, any reason)
+    # Attempts that raised in the worker: counted against CONVEYOR_SHARD_MAX_ATTEMPTS.
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Times a worker died holding it (its lease expired and was taken over). Above zero, its
+    # remaining items are suspects: they run in ever smaller groups (``store/crashes.py``).
+    deaths: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    solo_item: Mapped[str | None] = mapped_column(String(CUSTOM_ID_LEN))  # the item it runs alone now
+
+    lease_owner: Mapped[str | None] = mapped_column(String(256))
+    lease_expires_at: Mapped[float | None] = mapped_column(Double)
+    heartbeat_at: Mapped[float | None] = mapped_column(Double)
+
+    input_uri: Mapped[str | None] = mapped_column(String(URI_LEN))  # this shard's requests
+    output_uri: Mapped[str | None] = mapped_column(String(URI_LEN))  # part file: results
+    # Unused since failed items are read from the database (no errors part file is written).
+    error_uri: Mapped[str | None] = mapped_column(String(URI_LEN))
+    error: Mapped[str | None] = mapped_column(Text)  # why the shard failed, if it did
+
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    started_at: Mapped[float | None] = mapped_column(Double)
+    finished_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_shards_status_lease", "status", "lease_expires_at"),)
+
+
+class Item(Base):
+    """One finished request (success or error) with its per-item metrics."""
+
+    __tablename__ = "items"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(CUSTOM_ID_LEN), primary_key=True)
+    shard_index: Mapped[int] = mapped_column(Integer)
+    line: Mapped[int] = mapped_column(Integer)
+    status: Mapped[ItemStatus] = mapped_column(_str_enum(ItemStatus))
+    status_code: Mapped[int] = mapped_column(Integer, default=200)
+    request_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSONType)  # response body
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONType)  # {code, message, ...}
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    queue_time: Mapped[float | None] = mapped_column(Double)  # seconds
+    ttft: Mapped[float | None] = mapped_column(Double)  # time to first token
+    tpot: Mapped[float | None] = mapped_column(Double)  # time per output token
+    e2e: Mapped[float | None] = mapped_column(Double)  # end to end
+    worker_id: Mapped[str | None] = mapped_column(String(256))
+    finished_at: Mapped[float] = mapped_column(Double, default=now)
+
+    __table_args__ = (
+        Index("ix_items_job_shard", "job_id", "shard_index"),
+        Index("ix_items_job_line", "job_id", "line"),
+    )
+
+
+class ItemCrash(Base):
+    """An item that was running alone when its worker died, and how many times that
+    happened: at ``CONVEYOR_ITEM_MAX_CRASHES`` it is a poison item and becomes an error."""
+
+    __tablename__ = "item_crashes"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(CUSTOM_ID_LEN), primary_key=True)
+    shard_index: Mapped[int] = mapped_column(Integer)
+    crashes: Mapped[int] = mapped_column(Integer, default=0)
+    last_worker: Mapped[str | None] = mapped_column(String(256))  # the lease owner that died
+    updated_at: Mapped[float] = mapped_column(Double, default=now)
+
+    __table_args__ = (Index("ix_item_crashes_job_shard", "job_id", "shard_index"),)
+
+
+class EngineSnapshot(Base):
+    """A worker's engine stats at one moment (written every few seconds)."""
+
+    __tablename__ = "engine_snapshots"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    worker_id: Mapped[str] = mapped_column(String(256))
+    model: Mapped[str] = mapped_column(String(MODEL_LEN))
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    running: Mapped[int] = mapped_column(Integer, default=0)
+    waiting: Mapped[int] = mapped_column(Integer, default=0)
+    kv_usage: Mapped[float] = mapped_column(Double, default=0.0)  # fraction of KV blocks in use
+    prefix_hit_rate: Mapped[float] = mapped_column(Double, default=0.0)
+    tokens_per_s: Mapped[float] = mapped_column(Double, default=0.0)  # generated tokens/s
+    prompt_tokens_per_s: Mapped[float] = mapped_column(Double, default=0.0)
+    preemptions: Mapped[int] = mapped_column(BigInteger, default=0)  # cumulative
+    extra: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+
+    __table_args__ = (
+        Index("ix_engine_snapshots_worker_time", "worker_id", "created_at"),
+        Index("ix_engine_snapshots_time", "created_at"),
+    )
+
+
+class Worker(Base):
+    """A worker process and the model it serves: written when it starts, every few seconds
+    while it runs (``heartbeat_at``) and when it stops, so ``submit`` and ``status`` can say
+    when nothing serves a job's model."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(256))
+    pid: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(MODEL_LEN))
+    queue: Mapped[str] = mapped_column(String(256))
+    state: Mapped[WorkerState] = mapped_column(_str_enum(WorkerState), default=WorkerState.starting)
+    error: Mapped[str | None] = mapped_column(Text)  # why it could not start
+    started_at: Mapped[float] = mapped_column(Double, default=now)
+    heartbeat_at: Mapped[float] = mapped_column(Double, default=now)
+
+    __table_args__ = (Index("ix_workers_model_heartbeat", "model", "heartbeat_at"),)

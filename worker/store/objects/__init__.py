@@ -1,0 +1,1 @@
+"""Object storage: the interface (``base``), its backends (``local``, ``s3``) and ``factory``."""

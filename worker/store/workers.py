@@ -1,0 +1,67 @@
+"""The worker registry: which worker process serves which model, and when it last said so.
+
+Each worker records itself when it starts (``starting``), beats every few seconds while it
+consumes (``ready``) and records how it ended (``stopped``, or ``failed`` with the reason).
+``submit`` warns and ``status`` explains when no live worker serves a job's model: otherwise
+a job for a model nobody serves (a typo, a worker that could not load it) just waits.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import Engine
+
+from worker.store.models import Worker, WorkerState, now
+
+
+def register_worker(db: Engine, model: str, queue: str) -> str:
+    """Record this process as a ``starting`` worker of ``model``; returns its registry id."""
+    worker_id = uuid.uuid4().hex
+    t = now()
+    with db.begin() as conn:
+        conn.execute(
+            insert(Worker).values(
+                id=worker_id, hostname=socket.gethostname()[:256], pid=os.getpid(), model=model,
+                queue=queue, state=WorkerState.starting, started_at=t, heartbeat_at=t,
+            )
+        )  # fmt: skip
+    return worker_id
+
+
+def set_worker_state(db: Engine, worker_id: str, state: WorkerState | None = None, error: str | None = None) -> None:
+    """Beat (``heartbeat_at`` = now), and move to ``state`` if given (``error``: why it failed)."""
+    values: dict[str, object] = {"heartbeat_at": now()}
+    if state is not None:
+        values["state"] = state
+    if error is not None:
+        values["error"] = error[:2000]
+    with db.begin() as conn:
+        conn.execute(update(Worker).where(Worker.id == worker_id).values(**values))
+
+
+@dataclass(frozen=True)
+class ModelService:
+    """Who serves a model: live workers now, and the last heartbeat of any that ever did."""
+
+    model: str
+    live: int
+    last_heartbeat_at: float | None  # None: no worker ever served it
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "live_workers": self.live, "last_heartbeat_at": self.last_heartbeat_at}
+
+
+def model_service(db: Engine, model: str, live_seconds: float) -> ModelService:
+    """Workers that served ``model``: those ``ready`` with a heartbeat in the last
+    ``live_seconds`` are live. A worker that failed to start never counts as serving."""
+    serving = (Worker.model == model, Worker.state.in_((WorkerState.ready, WorkerState.stopped)))
+    live_now = (Worker.model == model, Worker.state == WorkerState.ready, Worker.heartbeat_at >= now() - live_seconds)
+    with db.connect() as conn:
+        last = conn.execute(select(func.max(Worker.heartbeat_at)).where(*serving)).scalar_one_or_none()
+        live = conn.execute(select(func.count()).select_from(Worker).where(*live_now)).scalar_one()
+    return ModelService(model, int(live), None if last is None else float(last))
