@@ -4,15 +4,22 @@ Tables: ``jobs`` (mirrors OpenAI's batch object), ``shards`` (a line range of a 
 one Celery task under a lease), ``items`` (one finished request, idempotent on
 ``(job_id, custom_id)``, with its per-item metrics), ``item_crashes`` (items whose worker
 died while they ran alone), ``engine_snapshots`` (periodic per-worker engine stats) and
-``workers`` (the registry: which worker process serves which model, with a heartbeat). The
+``workers`` (the registry: which worker process serves which model, with a heartbeat),
+``api_keys`` (who may call the HTTP API; only a hash of each key is kept) and ``files``
+(OpenAI Files API objects: uploaded inputs and the batches' output and error files). The
 schema changes only through ``migrations/``.
 
 Times are Unix epoch seconds (float) everywhere: portable across SQLite and Postgres and
 what the OpenAI batch object reports.
 
-A job's files have OpenAI-style ids in its batch object, derived from the job id (there is
-no Files API yet): ``file-<hex>`` names the stored input, ``file-<hex>-results`` and
-``file-<hex>-errors`` the results and errors files, where the job id is ``batch_<hex>``.
+A job submitted through the HTTP API names its files by the ids of their ``files`` rows
+(``input_file_id``, ``output_file_id``, ``error_file_id``); a job submitted otherwise (CLI,
+``Client``, a broker message) has them derived from its id (``batch_<hex>``): ``file-<hex>``
+names the stored input, ``file-<hex>-results`` and ``file-<hex>-errors`` the results and
+errors files.
+
+``owner`` (on jobs and files) is the id of the API key that created it; ``None`` for what was
+created without one (the CLI, ``Client``, a broker message, a server started insecure).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -46,6 +54,8 @@ ID_LEN = 64
 URI_LEN = 2048
 CUSTOM_ID_LEN = MAX_CUSTOM_ID_CHARS
 MODEL_LEN = 256
+IDEMPOTENCY_KEY_LEN = 256
+FILENAME_LEN = 512
 
 
 def now() -> float:
@@ -155,7 +165,22 @@ class Job(Base):
     # then ``expired``).
     expired_at: Mapped[float | None] = mapped_column(Double)
 
-    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
+    owner: Mapped[str | None] = mapped_column(String(ID_LEN))  # the API key's id, if any
+    input_file_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    output_file_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    error_file_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    # A broker-level submission's key: a redelivered or duplicated message finds this job.
+    idempotency_key: Mapped[str | None] = mapped_column(String(IDEMPOTENCY_KEY_LEN))
+    # Where to announce the job's end on the broker (an outbox: ``notified_at`` is set once
+    # the announcement was published).
+    notify: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    notified_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_jobs_status_created", "status", "created_at"),
+        Index("ix_jobs_owner_created", "owner", "created_at"),
+        UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
+    )
 
     def as_batch_object(self) -> dict[str, Any]:
         """The job as OpenAI's batch object (what ``status --json`` and the client show): it
@@ -332,9 +357,52 @@ class Worker(Base):
     pid: Mapped[int] = mapped_column(Integer)
     model: Mapped[str] = mapped_column(String(MODEL_LEN))
     queue: Mapped[str] = mapped_column(String(256))
+    # What it loaded (a local path or hub id) when ``model`` is a public name given with
+    # ``--served-model-name``; ``None`` when it serves the checkpoint under its own name.
+    checkpoint: Mapped[str | None] = mapped_column(String(URI_LEN))
     state: Mapped[WorkerState] = mapped_column(_str_enum(WorkerState), default=WorkerState.starting)
     error: Mapped[str | None] = mapped_column(Text)  # why it could not start
     started_at: Mapped[float] = mapped_column(Double, default=now)
     heartbeat_at: Mapped[float] = mapped_column(Double, default=now)
 
     __table_args__ = (Index("ix_workers_model_heartbeat", "model", "heartbeat_at"),)
+
+
+class ApiKey(Base):
+    """A key to the HTTP API. The key itself is shown once, when created; only its SHA-256
+    is kept. A revoked key stays (its files and batches keep their owner) but opens nothing."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    revoked_at: Mapped[float | None] = mapped_column(Double)
+    last_used_at: Mapped[float | None] = mapped_column(Double)
+
+
+class StoredFile(Base):
+    """An OpenAI Files API object: an upload (purpose ``batch``, ...) or a batch's output or
+    error file (purpose ``batch_output``, with ``job_id`` naming the batch)."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    owner: Mapped[str | None] = mapped_column(String(ID_LEN))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(FILENAME_LEN))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    uri: Mapped[str] = mapped_column(String(URI_LEN))
+    status: Mapped[str] = mapped_column(String(16), default="processed")  # uploaded | processed | error
+    status_details: Mapped[str | None] = mapped_column(Text)
+    job_id: Mapped[str | None] = mapped_column(String(ID_LEN))
+    # What was learnt while it streamed in (for a batch input: line count, models, endpoints).
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONType)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    expires_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_files_owner_created", "owner", "created_at"),
+        Index("ix_files_job", "job_id"),
+    )
