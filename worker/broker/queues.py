@@ -2,8 +2,9 @@
 
 Everything that sends to or inspects a queue imports it from here (the Celery app, the
 tasks, the worker's sweeper wiring, the client), so no two of them need each other. Task
-arguments are JSON: ``conveyor.run_shard(job_id, shard_index)`` and
-``conveyor.finalize_job(job_id, redo)``; a producer in any language can send them.
+arguments are JSON: ``conveyor.run_shard(job_id, shard_index)``,
+``conveyor.finalize_job(job_id, redo)`` and ``conveyor.ingest_job(job_id)``; a producer in
+any language can send them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 RUN_SHARD = "conveyor.run_shard"
 FINALIZE_JOB = "conveyor.finalize_job"
+INGEST_JOB = "conveyor.ingest_job"
 DEFAULT_QUEUE = "conveyor-unconfigured"  # a worker with no model refuses to start anyway
 
 
@@ -49,6 +51,12 @@ def queue_name(model: str, prefix: str = "conveyor") -> str:
     return f"{prefix}-{model_slug(model)}"
 
 
+def intake_queue_name(prefix: str = "conveyor") -> str:
+    """The queue of ``ingest_job`` tasks: every worker consumes it, whatever its model (an
+    intake needs only the database and the store)."""
+    return f"{prefix}-intake"
+
+
 def model_queue(name: str) -> Queue:
     """The kombu queue of one model (a direct exchange of the same name)."""
     return Queue(name, Exchange(name, type="direct"), routing_key=name, durable=True)
@@ -64,6 +72,11 @@ def enqueue_shards(app: Celery, queue: str, job_id: str, indices: Sequence[int])
 
 def enqueue_finalize(app: Celery, queue: str, job_id: str, redo: bool) -> None:
     app.send_task(FINALIZE_JOB, args=[job_id, bool(redo)], queue=model_queue(queue))
+
+
+def enqueue_intake(app: Celery, job_id: str, prefix: str = "conveyor") -> None:
+    """Have a worker ingest a ``create_job`` job's stored input (``conveyor.ingest_job``)."""
+    app.send_task(INGEST_JOB, args=[job_id], queue=model_queue(intake_queue_name(prefix)))
 
 
 def queue_depth(app: Celery, queue: str) -> int | None:

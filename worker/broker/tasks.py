@@ -4,6 +4,8 @@
   A failed attempt is retried with backoff up to ``CONVEYOR_SHARD_MAX_ATTEMPTS``; after that
   the shard's remaining items become error records and the job goes on.
 - ``conveyor.finalize_job(job_id, redo)``: finalise a job the sweeper found unfinished.
+- ``conveyor.ingest_job(job_id)``: stream a ``create_job`` job's stored input into shards and
+  enqueue them on the job's model queue (idempotent: a redelivery finds the job started).
 
 A database or storage outage never acknowledges a message unprocessed: the task waits for
 the dependency (the context's ``DependencyGate``) and then does its work; after
@@ -20,11 +22,13 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from worker.broker.app_state import require_state
-from worker.broker.queues import FINALIZE_JOB, RUN_SHARD
+from worker.broker.queues import FINALIZE_JOB, INGEST_JOB, RUN_SHARD, enqueue_shards, queue_name
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.shard_runner import RetryShard, run_shard
 from worker.jobs import object_keys
 from worker.jobs.finalize import FinalizeResult, finalize_if_ready, finalize_job
+from worker.jobs.lifecycle import JobNotFound, job_model
+from worker.jobs.submission import ingest_job
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +80,27 @@ def register_tasks(app: Celery) -> None:
             log.warning("%s; handing the message back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
         return {"job_id": job_id, "status": result.status.value if result else None}
+
+    @app.task(name=INGEST_JOB, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    def ingest_job_task(self: Any, job_id: str) -> dict[str, Any]:
+        object_keys.check_job_id(job_id)
+        ctx = state.context()
+        prefix = ctx.settings.queue_prefix
+
+        def send(job_id: str, indices: Any) -> None:
+            enqueue_shards(app, queue_name(job_model(ctx.db, job_id), prefix), job_id, indices)
+
+        try:
+            job = ctx.gate.call(
+                lambda: ingest_job(ctx.db, ctx.store, ctx.settings, job_id, enqueue=send),
+                what=f"ingesting job {job_id}",
+                patience=ctx.settings.dependency_retry_seconds,
+            )
+        except DependencyUnavailable as exc:
+            log.warning("%s; handing the message back to the broker", exc)
+            raise Reject(str(exc), requeue=True) from None
+        except JobNotFound:
+            log.warning("ingest_job: no job %s (deleted?); dropping the message", job_id)
+            return {"job_id": job_id, "status": None}
+        log.info("job %s ingested: %s", job_id, job["status"])
+        return {"job_id": job_id, "status": job["status"]}

@@ -31,7 +31,7 @@ from worker.core.settings import Settings, get_settings
 from worker.jobs import object_keys
 from worker.jobs.expiry import expire_if_due
 from worker.jobs.finalize import job_shards
-from worker.jobs.lifecycle import JobNotFound, cancel_job, get_job, list_jobs, reopen_unenqueued
+from worker.jobs.lifecycle import cancel_job, get_job, job_model, list_jobs, reopen_unenqueued
 from worker.jobs.model_names import InvalidModel
 from worker.jobs.output_files import ShardSource, iter_job_output, iter_lines
 from worker.jobs.submission import SubmitOptions, submit_job
@@ -277,14 +277,6 @@ class Client:
                 continue
             self._expire_if_due(job_id)  # its window may pass while we follow
             time.sleep(poll)
-
-
-def job_model(db: Engine, job_id: str) -> str:
-    with db.connect() as conn:
-        model = conn.execute(select(Job.model).where(Job.id == job_id)).scalar_one_or_none()
-    if model is None:
-        raise JobNotFound(f"no job {job_id}")
-    return model
 
 
 def _open_input(source: InputSource) -> tuple[BinaryIO, str]:

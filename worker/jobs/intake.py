@@ -8,6 +8,7 @@ of shard boundaries, whatever the input's size.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from worker.batchio.line_reader import ByteStream
@@ -106,18 +107,20 @@ def ingest(
     input_format: InputFormat,
     shard_size: int,
     max_shards: int,
+    copy_input: bool = True,
 ) -> IntakeResult:
     """Validate ``source`` into ``job_store``; ``InputError`` if the input as a whole is
     unacceptable (nothing half-written is left as if it were complete; the error's
-    ``endpoint`` is the first valid request's before the problem, if any)."""
+    ``endpoint`` is the first valid request's before the problem, if any). ``copy_input``
+    False: the input is already stored (it is not copied to ``input.*``)."""
     result = IntakeResult()
     shards = _ShardWriter(job_store, shard_size, max_shards)
-    with (
-        job_store.open_write(object_keys.input_key(input_format.value)) as raw,
-        job_store.open_write(object_keys.INVALID) as invalid,
-    ):
+    with contextlib.ExitStack() as files:
+        invalid = files.enter_context(job_store.open_write(object_keys.INVALID))
+        if copy_input:
+            source = _Tee(source, files.enter_context(job_store.open_write(object_keys.input_key(input_format.value))))
         try:
-            for entry in iter_input(_Tee(source, raw), limits, input_format):
+            for entry in iter_input(source, limits, input_format):
                 result.total += 1
                 if isinstance(entry, LineError):
                     result.invalid += 1

@@ -137,3 +137,12 @@ def reopen_unenqueued(db: Engine, job_id: str) -> list[int]:
             .returning(Shard.shard_index)
         ).scalars()
         return sorted(shards)
+
+
+def job_model(db: Engine, job_id: str) -> str:
+    """The model a job runs on (its queue's): ``JobNotFound`` if there is no such job."""
+    with db.connect() as conn:
+        model = conn.execute(select(Job.model).where(Job.id == job_id)).scalar_one_or_none()
+    if model is None:
+        raise JobNotFound(f"no job {job_id}")
+    return model

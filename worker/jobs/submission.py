@@ -1,5 +1,11 @@
 """Submitting a job: validate, store and shard the input, create the job, enqueue its shards.
 
+Two ways in. ``submit_job`` streams an input it is handed (the CLI, ``Client``), in the
+caller's process. ``create_job`` + ``ingest_job`` take an input already in the object store
+(an uploaded file, a broker message's ``s3://`` reference): ``create_job`` records a
+``validating`` job at once (idempotent on an ``idempotency_key``), and a worker streams the
+input later (``ingest_job``, the ``conveyor.ingest_job`` task).
+
 ``submit_job`` validates the input into object storage (``worker.jobs.intake``), creates the
 job and its shards, and hands the shard indices to ``enqueue`` (one Celery task each; the
 in-process ``conveyor run`` passes none and runs the shards itself). A job whose input is
@@ -16,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 
 from worker.batchio.line_reader import ByteStream
 from worker.batchio.records import InputError, InputFormat
@@ -26,12 +33,12 @@ from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
 from worker.jobs import object_keys
 from worker.jobs.finalize import finalize_if_ready
-from worker.jobs.intake import ingest
-from worker.jobs.lifecycle import cancel_job, get_job
+from worker.jobs.intake import IntakeResult, ingest
+from worker.jobs.lifecycle import JobNotFound, cancel_job, get_job
 from worker.jobs.model_names import canonical_model
 from worker.store.database import make_sessionmaker
-from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
-from worker.store.objects.base import ObjectStore
+from worker.store.models import IDEMPOTENCY_KEY_LEN, Job, JobStatus, Shard, ShardStatus, now
+from worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore
 
 Enqueue = Callable[[str, Sequence[int]], None]
 
@@ -91,6 +98,11 @@ def check_options(settings: Settings, options: SubmitOptions) -> tuple[str, int,
     return model, shard_size, priority
 
 
+def _window(settings: Settings, options: SubmitOptions) -> tuple[str, float]:
+    window = settings.completion_window if options.completion_window is None else options.completion_window
+    return window, completion_window_seconds(window, settings.min_completion_window_seconds)
+
+
 def submit_job(
     db: Engine,
     store: ObjectStore,
@@ -105,8 +117,7 @@ def submit_job(
     """Validate, store and shard the input, create the job; returns the batch object.
     ``on_created(job_id)`` runs once the job row exists (an interrupted caller can name it)."""
     model, shard_size, priority = check_options(settings, options)
-    window = settings.completion_window if options.completion_window is None else options.completion_window
-    window_seconds = completion_window_seconds(window, settings.min_completion_window_seconds)
+    window, window_seconds = _window(settings, options)
     metadata = check_metadata(metadata)
     job_id = object_keys.new_job_id()
     job_store = store.scoped(object_keys.job_prefix(job_id))
@@ -136,21 +147,124 @@ def submit_job(
     except BaseException as exc:
         _fail(db, job_id, "submit_failed", f"the input could not be stored: {type(exc).__name__}")
         raise
+    return _start(db, store, settings, job_id, intake, enqueue)
+
+
+# What a broker message or an API client may put in an idempotency key.
+MAX_IDEMPOTENCY_KEY_CHARS = IDEMPOTENCY_KEY_LEN
+
+
+def create_job(
+    db: Engine,
+    store: ObjectStore,
+    settings: Settings,
+    input_uri: str,
+    options: SubmitOptions,
+    *,
+    metadata: dict[str, Any] | None = None,
+    owner: str | None = None,
+    input_file_id: str | None = None,
+    idempotency_key: str | None = None,
+    notify: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """A ``validating`` job whose input is already stored (``input_uri``: an object under the
+    store's root, e.g. an uploaded file); a worker reads it later (``ingest_job``), so the
+    caller (an HTTP request, a broker message) does not stream a large input itself.
+
+    Returns (batch object, created). A job that already has ``idempotency_key`` is returned
+    as it is, with ``created`` False: a redelivered or duplicated request makes one job, even
+    when both arrive at once. ``ValueError`` names a bad option, a URI outside the store or an
+    input that is not there."""
+    model, shard_size, priority = check_options(settings, options)
+    window, window_seconds = _window(settings, options)
+    metadata = check_metadata(metadata)
+    fmt = InputFormat(options.input_format)
+    if idempotency_key is not None:
+        if not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise ValueError(
+                f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters, "
+                f"got {idempotency_key!r:.80}"
+            )
+        existing = _job_with_key(db, idempotency_key)
+        if existing is not None:
+            return existing, False
+    try:
+        key = store.key_of(input_uri)
+    except InvalidKey as exc:
+        raise ValueError(f"input_uri: {exc}") from None
+    if not store.exists(key):
+        raise ValueError(f"input_uri: there is no object at {input_uri!r:.300}")
+    job_id = object_keys.new_job_id()
+    created = now()
+    try:
+        with db.begin() as conn:
+            conn.execute(
+                insert(Job).values(
+                    id=job_id, status=JobStatus.validating, model=model, priority=priority, endpoint=CHAT,
+                    input_format=fmt.value, shard_size=shard_size, meta=metadata, input_uri=store.uri(key),
+                    completion_window=window, created_at=created, updated_at=created,
+                    expires_at=created + window_seconds, owner=owner, input_file_id=input_file_id,
+                    idempotency_key=idempotency_key, notify=notify,
+                )
+            )  # fmt: skip
+    except IntegrityError:
+        existing = _job_with_key(db, idempotency_key) if idempotency_key is not None else None
+        if existing is None:
+            raise
+        return existing, False  # a duplicate won the race
+    return get_job(db, job_id), True
+
+
+def _job_with_key(db: Engine, idempotency_key: str) -> dict[str, Any] | None:
+    with db.connect() as conn:
+        job_id = conn.execute(select(Job.id).where(Job.idempotency_key == idempotency_key)).scalar_one_or_none()
+    return None if job_id is None else get_job(db, job_id)
+
+
+def ingest_job(
+    db: Engine, store: ObjectStore, settings: Settings, job_id: str, *, enqueue: Enqueue | None
+) -> dict[str, Any]:
+    """Stream a ``create_job`` job's stored input, validate and shard it, start the job and
+    enqueue its shards; returns the batch object.
+
+    Idempotent: a job no longer ``validating`` is returned as it is, and two runs at once
+    (a redelivered message) write the same shard files and start the job once. An input
+    rejected as a whole, or gone, fails the job with the reason; an outage raises (the
+    caller retries)."""
+    with db.connect() as conn:
+        row = conn.execute(
+            select(Job.status, Job.input_uri, Job.input_format, Job.shard_size).where(Job.id == job_id)
+        ).one_or_none()
+    if row is None:
+        raise JobNotFound(f"no job {job_id}")
+    if JobStatus(row.status) is not JobStatus.validating:
+        return get_job(db, job_id)
+    job_store = store.scoped(object_keys.job_prefix(job_id))
+    fmt = InputFormat(row.input_format or InputFormat.jsonl.value)
+    try:
+        source = store.open_read(store.key_of(row.input_uri))
+    except (InvalidKey, ObjectNotFound) as exc:
+        _fail(db, job_id, "input_not_found", f"the job's input cannot be read: {exc}")
+        return get_job(db, job_id)
+    with source:
+        try:
+            intake = ingest(
+                source, job_store, job_id, limits=settings.input_limits(), input_format=fmt,
+                shard_size=row.shard_size, max_shards=settings.max_shards_per_job, copy_input=False,
+            )  # fmt: skip
+        except InputError as exc:
+            _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
+            return get_job(db, job_id)
+    return _start(db, store, settings, job_id, intake, enqueue)
+
+
+def _start(
+    db: Engine, store: ObjectStore, settings: Settings, job_id: str, intake: IntakeResult, enqueue: Enqueue | None
+) -> dict[str, Any]:
+    """Create the shards of an ingested job, move it to ``in_progress`` and enqueue them. Only
+    the run that moves it from ``validating`` does so (the row lock orders concurrent runs)."""
     t = now()
     with db.begin() as conn:
-        if intake.shards:
-            conn.execute(
-                insert(Shard),
-                [
-                    {
-                        "job_id": job_id, "shard_index": p.index, "first_line": p.first_line,
-                        "last_line": p.last_line, "num_items": p.num_items, "status": ShardStatus.pending,
-                        "input_uri": job_store.uri(object_keys.shard_input_key(p.index)),
-                        "heartbeat_at": t, "created_at": t,
-                    }
-                    for p in intake.shards
-                ],
-            )  # fmt: skip
         started = conn.execute(
             update(Job)
             .where(Job.id == job_id, Job.status == JobStatus.validating)
@@ -165,8 +279,23 @@ def submit_job(
                 updated_at=t,
             )
         ).rowcount
-    if not started:  # cancelled while validating
-        cancel_job(db, store, job_id)
+        if started and intake.shards:
+            job_store = store.scoped(object_keys.job_prefix(job_id))
+            conn.execute(
+                insert(Shard),
+                [
+                    {
+                        "job_id": job_id, "shard_index": p.index, "first_line": p.first_line,
+                        "last_line": p.last_line, "num_items": p.num_items, "status": ShardStatus.pending,
+                        "input_uri": job_store.uri(object_keys.shard_input_key(p.index)),
+                        "heartbeat_at": t, "created_at": t,
+                    }
+                    for p in intake.shards
+                ],
+            )  # fmt: skip
+    if not started:
+        if JobStatus(get_job(db, job_id)["status"]) is JobStatus.cancelling:  # cancelled while validating
+            cancel_job(db, store, job_id)
         return get_job(db, job_id)
     if intake.shards and enqueue is not None:
         try:

@@ -14,9 +14,11 @@ upload), so memory stays bounded whatever the object's size. A writer commits on
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, BinaryIO
+from urllib.parse import unquote
 
 from worker.core.limits import MiB
 
@@ -162,6 +164,20 @@ class ObjectStore(ABC):
     def check(self) -> None:
         """Raise ``StorageUnavailable`` unless objects can be written, read and deleted
         here: run before a job's input is uploaded and when a worker starts."""
+
+    def key_of(self, uri: str) -> str:
+        """The key, relative to this store, of the object ``uri`` names (as ``uri(key)``
+        writes it); ``InvalidKey`` unless it names an object under this store's prefix, so a
+        URI from a user can never reach outside the store."""
+        root = self.uri().rstrip("/") + "/"
+        if not isinstance(uri, str) or not uri.startswith(root):
+            raise InvalidKey(f"{uri!r:.300} is not an object in this store (its URIs start with {root})")
+        rest = uri[len(root) :]
+        for key in dict.fromkeys((rest, unquote(rest))):  # file:// URIs percent-encode
+            with contextlib.suppress(InvalidKey):
+                if self.uri(validate_key(key)) == uri:
+                    return key
+        raise InvalidKey(f"{uri!r:.300} does not name an object key in this store")
 
     def exists(self, key: str) -> bool:
         try:
