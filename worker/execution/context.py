@@ -1,7 +1,11 @@
 """What a worker process holds for its whole life: settings, the database engine, the
 object store, the model it serves, (created once, lazily, under a lock) its engine host,
 its dependency gate (``dependency_gate``) and its quarantine lane (one group of suspect
-items in the engine at a time: ``shard_runner``)."""
+items in the engine at a time: ``shard_runner``).
+
+Observers above this layer (progress bars, Prometheus metrics) hear about stored items
+through ``on_items`` and ``item_listeners`` (``items_stored``), and read the engine's state
+through ``host_stats``, without this layer knowing them."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,15 +24,20 @@ from sqlalchemy.engine import Engine
 from engine import EngineConfig
 from worker.core.settings import ConfigError, Settings, redact_url
 from worker.execution.dependency_gate import DependencyGate
-from worker.execution.engine_host import EngineHost
+from worker.execution.engine_host import EngineHost, HostStats
 from worker.jobs import object_keys
 from worker.jobs.model_names import canonical_model
 from worker.store.database import create_db_engine
 from worker.store.faults import DATABASE, STORAGE
+from worker.store.items import ItemRecord
 from worker.store.objects.base import ObjectStore
 from worker.store.objects.factory import open_store_from_settings
 
 log = logging.getLogger(__name__)
+
+# Called with the items a shard has just stored for the first time (never twice for one
+# item from one process), on the shard's thread, after their commit.
+ItemListener = Callable[[Sequence[ItemRecord]], None]
 
 
 def engine_config(settings: Settings, model: str) -> EngineConfig:
@@ -60,6 +69,7 @@ class WorkerContext:
     worker_id: str = field(default_factory=worker_id)
     host_factory: Callable[[], EngineHost] | None = None
     on_items: Callable[[int], None] | None = None  # progress: items newly stored
+    item_listeners: list[ItemListener] = field(default_factory=list, repr=False)
     gate: DependencyGate = field(init=False, repr=False)
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _host: EngineHost | None = field(default=None, repr=False)
@@ -104,6 +114,24 @@ class WorkerContext:
     @property
     def host_started(self) -> bool:
         return self._host is not None
+
+    def host_stats(self) -> HostStats | None:
+        """The engine host's latest stats; None before the model is loaded (this never loads it)."""
+        host = self._host
+        return host.stats() if host is not None else None
+
+    def items_stored(self, records: Sequence[ItemRecord]) -> None:
+        """Tell ``on_items`` and each item listener that ``records`` were newly stored. A
+        listener that raises is logged: observing never fails a shard."""
+        if not records:
+            return
+        if self.on_items is not None:
+            self.on_items(len(records))
+        for listener in self.item_listeners:
+            try:
+                listener(records)
+            except Exception:
+                log.exception("item listener %r failed", listener)
 
     def job_store(self, job_id: str) -> ObjectStore:
         return self.store.scoped(object_keys.job_prefix(job_id))

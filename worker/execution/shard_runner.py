@@ -157,11 +157,10 @@ class _ItemBuffer:
     def flush(self) -> None:
         if not self._items:
             return
-        new = record_finished_items(self._ctx.db, self._items)
+        items, new = self._items, record_finished_items(self._ctx.db, self._items)
         self._items = []
         self.stored += len(new)
-        if new and self._ctx.on_items is not None:
-            self._ctx.on_items(len(new))
+        self._ctx.items_stored(_newly_stored(items, new))
 
 
 class ShardRunner:
@@ -477,9 +476,21 @@ class ShardRunner:
             if req.custom_id not in done
         ]
         for start in range(0, len(records), 1000):
-            record_finished_items(ctx.db, records[start : start + 1000])
+            batch = records[start : start + 1000]
+            ctx.items_stored(_newly_stored(batch, record_finished_items(ctx.db, batch)))
         self._buffer.stored += len(records)
         self._reason = text
+
+
+def _newly_stored(records: list[ItemRecord], new_ids: list[str]) -> list[ItemRecord]:
+    """The records whose custom_id was stored now (one each: the first of any duplicates)."""
+    new = set(new_ids)
+    fresh = []
+    for record in records:
+        if record.custom_id in new:
+            new.discard(record.custom_id)
+            fresh.append(record)
+    return fresh
 
 
 def _token_text(tokenizer: Any):
