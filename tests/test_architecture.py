@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "kernels", "worker")
 
 # worker/'s layers, lowest first: each may import only the layers before it (and itself).
-WORKER_LAYERS = ("core", "store", "batchio", "jobs", "execution", "broker", "api", "entrypoints")
+WORKER_LAYERS = ("core", "store", "batchio", "jobs", "execution", "metrics", "broker", "api", "entrypoints")
 # Modules directly under worker/ that only give public names their historic paths
 # (``celery -A worker.app``, ``from worker.client import Client``): they sit above every layer.
 WORKER_PUBLIC_PATHS = {"worker", "worker.app", "worker.client"}
@@ -31,6 +31,7 @@ FORBIDDEN = {
     "worker.batchio": {"torch", "celery", "kombu", "sqlalchemy", "boto3"},
     "worker.jobs": {"torch", "celery", "kombu"},
     "worker.execution": {"celery", "kombu"},
+    "worker.metrics": {"torch", "celery", "kombu"},
 }
 
 

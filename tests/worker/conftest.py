@@ -300,15 +300,18 @@ def env(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def spawn_worker(tmp_path):
-    """``spawn_worker(stack, **kw)`` starts a worker subprocess; all are stopped after the
-    test, pass or fail (and die with the test process if it is killed)."""
+    """``spawn_worker(stack, **kw)`` starts a worker subprocess (``args``: more command-line
+    arguments; other keywords: settings); all are stopped after the test, pass or fail (and
+    die with the test process if it is killed)."""
     from tests.worker.helpers import WorkerProc
 
     procs: list = []
 
-    def spawn(stack, *, plain_celery: bool = False, concurrency: int = 2, **overrides):
+    def spawn(stack, *, plain_celery: bool = False, concurrency: int = 2, args: tuple[str, ...] = (), **overrides):
         log = tmp_path / f"worker-{len(procs)}.log"
-        proc = WorkerProc(stack.env(**overrides), log, plain_celery=plain_celery, concurrency=concurrency)
+        proc = WorkerProc(
+            stack.env(**overrides), log, plain_celery=plain_celery, concurrency=concurrency, extra_args=args
+        )
         procs.append(proc)
         return proc
 

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from sqlalchemy import func, select
 
 from worker.batchio.records import LineError, ParsedRequest
@@ -90,13 +93,19 @@ class WorkerProc:
     """A worker in a subprocess (``conveyor worker`` or plain ``celery -A worker.app worker``)."""
 
     def __init__(
-        self, env: dict[str, str], log_path: Path, *, plain_celery: bool = False, concurrency: int = 2
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        plain_celery: bool = False,
+        concurrency: int = 2,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if plain_celery:
             args = ["celery", "-A", "worker.app", "worker", "--loglevel=INFO", "--without-mingle", "--without-gossip"]
         else:
             args = ["worker.entrypoints.cli", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
-        argv = [PYTHON, "-m", *args]
+        argv = [PYTHON, "-m", *args, *extra_args]
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -224,3 +233,33 @@ def assert_each_request_once(client: Any, db: Any, job: dict[str, Any], n: int) 
         statuses = set(conn.execute(select(Item.status).where(Item.job_id == job_id)).scalars())
     assert len(per_item) == n and {count for _, count in per_item} == {1}
     assert statuses == {ItemStatus.succeeded}
+
+
+@dataclass
+class Scrape:
+    """One scrape of a ``/metrics`` endpoint, parsed by ``prometheus_client``'s parser."""
+
+    status: int
+    content_type: str
+    samples: list[Sample]
+
+    @classmethod
+    def parse(cls, text: str, status: int = 200, content_type: str = "") -> Scrape:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        return cls(status, content_type, samples)
+
+    def find(self, name: str, **labels: str) -> list[Sample]:
+        """The samples called ``name`` whose labels include ``labels``."""
+        return [s for s in self.samples if s.name == name and labels.items() <= s.labels.items()]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The one sample called ``name`` with these labels (AssertionError if not exactly one)."""
+        found = self.find(name, **labels)
+        assert len(found) == 1, f"{len(found)} samples {name}{labels}: {found}"
+        return found[0].value
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> Scrape:
+    """GET ``http://host:port/metrics`` and parse it."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as resp:
+        return Scrape.parse(resp.read().decode(), resp.status, resp.headers.get("Content-Type", ""))

@@ -146,6 +146,14 @@ class Settings(BaseSettings):
     # "5s" are accepted), so that expiry can be tested in seconds.
     min_completion_window_seconds: int = Field(MIN_COMPLETION_WINDOW_SECONDS, ge=1, le=MIN_COMPLETION_WINDOW_SECONDS)
 
+    # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
+    # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
+    # Job and shard counts are read from the database at most once per
+    # ``metrics_cache_seconds`` per process, however often it is scraped.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_host: str = "0.0.0.0"
+    metrics_cache_seconds: float = Field(5.0, ge=0)
+
     log_level: str = "INFO"
 
     @field_validator("queue_prefix")

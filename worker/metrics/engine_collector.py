@@ -1,0 +1,74 @@
+"""The engine's state at scrape time: requests running and waiting, KV-cache usage, the prefix
+cache, preemptions, steps and tokens computed.
+
+Read from the engine host's latest stats (``WorkerContext.host_stats``: the loop thread
+refreshes them every half second while busy), so a scrape never touches the engine. Before
+the model is loaded the families are present with no samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.execution.engine_host import HostStats
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], HostStats | None], model: str) -> None:
+        self._stats = stats
+        self._model = model
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        host = self._stats()
+        yield from self._families(host.engine if host is not None else None)
+
+    def _families(self, engine: object | None) -> Iterator[Metric]:
+        labels = ["model"]
+
+        def gauge(name: str, doc: str, field: str) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            if engine is not None:
+                family.add_metric([self._model], float(getattr(engine, field)))
+            return family
+
+        def counter(name: str, doc: str, field: str) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            if engine is not None:
+                family.add_metric([self._model], float(getattr(engine, field)))
+            return family
+
+        yield gauge("conveyor_engine_running_requests", "Requests the engine is running now.", "num_running")
+        yield gauge("conveyor_engine_waiting_requests", "Requests waiting in the engine's queue.", "num_waiting")
+        yield gauge("conveyor_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use (0 to 1).", "kv_usage")
+        yield gauge("conveyor_kv_cache_blocks", "KV-cache blocks the engine has.", "kv_blocks_total")
+        yield gauge(
+            "conveyor_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache over prompt tokens looked up, since the engine started.",
+            "prefix_cache_hit_rate",
+        )
+        yield counter(
+            "conveyor_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (for a windowed hit rate: rate(hits) / rate(queries)).",
+            "prefix_cache_queries",
+        )
+        yield counter("conveyor_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits")
+        yield counter(
+            "conveyor_preemptions", "Requests preempted (out of KV blocks) and recomputed.", "num_preemptions"
+        )
+        yield counter("conveyor_engine_steps", "Engine iterations (steps).", "num_steps")
+        yield counter(
+            "conveyor_engine_prefill_tokens",
+            "Prompt tokens the engine computed (prefix-cache hits are not computed).",
+            "num_prompt_tokens_computed",
+        )
+        yield counter(
+            "conveyor_engine_generated_tokens",
+            "Tokens the engine generated, those of aborted requests included.",
+            "num_generated_tokens",
+        )
