@@ -16,6 +16,7 @@ from worker.core.periodic import Periodic
 from worker.core.settings import Settings
 from worker.execution.context import WorkerContext
 from worker.jobs.sweeper import Sweeper
+from worker.metrics.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class AppState:
     sweeper: Sweeper | None = None
     sweep_thread: Periodic | None = None
     registry_id: str | None = None  # this worker process's row in the workers registry
+    metrics: WorkerMetrics | None = None  # its /metrics server, when CONVEYOR_METRICS_PORT is set
     _context: WorkerContext | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -54,6 +56,9 @@ class AppState:
             thread.stop()
         self.background.clear()
         self.sweeper = self.sweep_thread = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         with self._lock:
             ctx, self._context = self._context, None
         if ctx is not None:

@@ -1,10 +1,11 @@
 """A worker process's life around the Celery consumer (Celery's signals, for Conveyor apps).
 
 - ``worker_init``: refuse to start on a bad configuration or an outdated database schema
-  (the message says what to run), record the worker in the registry (``starting``), then
-  load the model (threads/solo pools: once, before consuming; a prefork child loads its own
-  on first use). A model that cannot load exits 1 before any message is taken, recorded
-  ``failed`` with the reason, so nothing counts it as serving the model.
+  (the message says what to run), record the worker in the registry (``starting``), start
+  the ``/metrics`` server when ``CONVEYOR_METRICS_PORT`` is set, then load the model
+  (threads/solo pools: once, before consuming; a prefork child loads its own on first use).
+  A model that cannot load exits 1 before any message is taken, recorded ``failed`` with
+  the reason, so nothing counts it as serving the model.
 - ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
   the expiry (jobs of any model past their completion window) and the engine-snapshot threads.
 - ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``.
@@ -25,9 +26,11 @@ from celery import Celery, bootsteps, signals
 from worker.broker.app_state import AppState, app_state
 from worker.broker.queues import enqueue_finalize, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
+from worker.core.settings import ConfigError
 from worker.execution.snapshots import SnapshotWriter
 from worker.jobs.expiry import expire_due_jobs
 from worker.jobs.sweeper import Sweeper
+from worker.metrics.worker_metrics import WorkerMetrics
 from worker.store.models import WorkerState
 from worker.store.schema import ensure_schema
 from worker.store.workers import register_worker, set_worker_state
@@ -99,12 +102,31 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         ctx.store.check()  # a worker that cannot store results must not take shards
         log.info("conveyor worker: %s on queue %s; schema %s", ctx.describe(), state.queue, revision)
         pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)
+        if ctx.settings.metrics_port:
+            _serve_metrics(state, pool)
         if "thread" in pool or "solo" in pool:
             ctx.host()
     except Exception as exc:
         print(f"conveyor worker: cannot start: {exc}", file=sys.stderr, flush=True)
         _record_failure(state, f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+
+
+def _serve_metrics(state: AppState, pool: str) -> None:
+    """Start the process's ``/metrics`` server. Its counters see one process's work, so a
+    pool of several processes (prefork) is refused rather than reported in part."""
+    s = state.settings
+    if "prefork" in pool:  # (Celery takes --pool=prefork for "the default": ours is threads)
+        raise ConfigError(
+            "CONVEYOR_METRICS_PORT needs a single-process pool (threads, the default, or solo): "
+            "a prefork pool's children do their work where the metrics server cannot count it"
+        )
+    try:
+        state.metrics = WorkerMetrics.serve(state.context(), s.metrics_host, s.metrics_port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot serve metrics on {s.metrics_host}:{s.metrics_port} (CONVEYOR_METRICS_PORT): {exc}"
+        ) from None
 
 
 def _record_failure(state: AppState, reason: str) -> None:
@@ -122,6 +144,9 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     state = app_state(app)
     if state is not None and not state.background:
         start_background(app, state)
+    if state is not None and state.metrics is not None:  # said here: worker_init logs before logging is set up
+        s = state.context().settings
+        log.info("conveyor worker: metrics at http://%s:%s/metrics", s.metrics_host, state.metrics.port)
 
 
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:

@@ -230,7 +230,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model = args.model or load_settings().model
     if not model:
         raise UserError("no model to serve: pass --model or set CONVEYOR_MODEL")
-    settings = load_settings(worker_concurrency=args.concurrency, model=canonical_model(model))
+    settings = load_settings(
+        worker_concurrency=args.concurrency, model=canonical_model(model),
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+    )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
         ensure_schema(settings, ctx.db)
@@ -351,6 +354,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0 to 65535), got {value}")
+    return value
+
+
 def _version() -> str:
     try:
         return version("conveyor")
@@ -404,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help=MODEL_HELP + " (default CONVEYOR_MODEL)")
     worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
     worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
+    worker.add_argument(
+        "--metrics-port", type=_port, help="serve Prometheus metrics at /metrics on this port (default "
+        "CONVEYOR_METRICS_PORT; 0: none)",
+    )  # fmt: skip
+    worker.add_argument("--metrics-host", help="the metrics server's address (default CONVEYOR_METRICS_HOST, 0.0.0.0)")
     worker.set_defaults(fn=cmd_worker)
 
     jobs = sub.add_parser("jobs", help="list jobs, newest first")
