@@ -123,9 +123,7 @@ def check_reply_to(value: Any, queue_prefix: str) -> dict[str, Any]:
     else:
         raise ValueError("reply_to must name a 'queue' or an 'exchange'")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(
-            f"reply_to {kind} must be 1 to 200 letters, digits, '_', '.', ':' or '-', got {name!r:.80}"
-        )
+        raise ValueError(f"reply_to {kind} must be 1 to 200 letters, digits, '_', '.', ':' or '-', got {name!r:.80}")
     if _reserved(name, queue_prefix):
         raise ValueError(f"reply_to {kind} {name!r} is reserved (amq.* or one of Conveyor's own, {queue_prefix}-*)")
     if kind == "queue":
@@ -223,9 +221,7 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
         field = "input_format"
         fmt = kwargs.get("input_format")
         if fmt is not None and fmt not in {f.value for f in InputFormat}:
-            raise ValueError(
-                f"input_format must be one of {', '.join(f.value for f in InputFormat)}, got {fmt!r:.40}"
-            )
+            raise ValueError(f"input_format must be one of {', '.join(f.value for f in InputFormat)}, got {fmt!r:.40}")
         values["input_format"] = None if fmt is None else InputFormat(fmt)
     except ValueError as exc:
         raise refuse(f"{field}: {exc}" if not str(exc).startswith(field) else str(exc), field) from None

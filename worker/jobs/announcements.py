@@ -84,12 +84,16 @@ def _due():
 
 def _take(session: Session, job: Job, t: float) -> Claim | None:
     """Claim ``job``'s announcement if nothing changed it since it was read."""
-    won = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.updated_at == job.updated_at, Job.notified_at.is_(None))
-        .values(updated_at=t)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    won = (
+        session.connection()
+        .execute(
+            update(Job)
+            .where(Job.id == job.id, Job.updated_at == job.updated_at, Job.notified_at.is_(None))
+            .values(updated_at=t)
+            .execution_options(synchronize_session=False)
+        )
+        .rowcount
+    )
     if not won or not isinstance(job.notify, dict):
         return None
     return Claim(job.id, dict(job.notify), announcement_body(job), job.updated_at, t)
