@@ -20,6 +20,7 @@ from sqlalchemy import func, select
 
 from tests.worker.helpers import REPO, Stack, assert_each_request_once, jsonl, openai_lines, wait_for
 from worker.entrypoints.client import Client
+from worker.jobs.submission import SubmitOptions, create_job
 from worker.store.models import Job, Shard
 
 EXAMPLE = REPO / "examples" / "broker_producer.py"
@@ -109,9 +110,20 @@ def test_a_kombu_producer_submits_twice_and_hears_the_end_once(
         example.submit(conn, fields, prefix)  # the producer resends (a retry): a new task id
         # and a redelivery of the first message: the same task id again
         publish_task(conn, prefix, [[], fields, {}], {"lang": "py", "task": "conveyor.submit_job", "id": task_id})
+        # A worker that died after recording a job, before sending its intake: the message is
+        # delivered again (late acks) and the job, still validating, is taken up.
+        crashed = f"crashed-{uuid.uuid4().hex[:8]}"
+        orphan, _ = create_job(
+            client.db, client.store, client.settings, uri, SubmitOptions(model=stack.model),
+            idempotency_key=crashed, notify={"queue": replies},
+        )  # fmt: skip
+        example.submit(conn, {**fields, "idempotency_key": crashed}, prefix)
         end = example.wait_for_end(conn, replies, key, timeout=120)
+        taken_up = example.wait_for_end(conn, replies, crashed, timeout=120)
         later = drain(conn, replies, 3.0)  # the duplicates announce nothing more
     assert later == []
+    assert taken_up["job_id"] == orphan["id"] and taken_up["status"] == "completed"
+    assert len(jobs_with_key(client, crashed)) == 1
     assert end["event"] == "batch.completed" and end["status"] == "completed"
     assert end["idempotency_key"] == key
     batch = end["batch"]

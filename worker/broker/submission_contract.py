@@ -173,11 +173,13 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
     target: dict[str, Any] | None = None
     # The two fields that let a refusal be answered come first.
     try:
-        key = check_idempotency_key(kwargs["idempotency_key"]) if "idempotency_key" in kwargs else None
+        raw_key = kwargs.get("idempotency_key")
+        key = None if raw_key is None else check_idempotency_key(raw_key)
     except ValueError as exc:
         raise InvalidSubmission(str(exc), param="idempotency_key") from None
     try:
-        target = check_reply_to(kwargs["reply_to"], settings.queue_prefix) if "reply_to" in kwargs else None
+        raw_target = kwargs.get("reply_to")
+        target = None if raw_target is None else check_reply_to(raw_target, settings.queue_prefix)
     except ValueError as exc:
         raise InvalidSubmission(str(exc), param="reply_to", idempotency_key=key) from None
 
