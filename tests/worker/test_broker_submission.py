@@ -5,7 +5,9 @@ a real worker subprocess over Redis and RabbitMQ, and hears each job's end on it
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
+import re
 import subprocess
 import sys
 import time
@@ -85,6 +87,18 @@ def publish_task(conn: Connection, prefix: str, body: Any, headers: dict) -> Non
 def jobs_with_key(client: Client, key: str) -> list[Any]:  # rows of the jobs table
     with client.db.connect() as conn:
         return list(conn.execute(select(Job).where(Job.idempotency_key == key)).all())
+
+
+def test_the_readme_shows_the_example_producer_as_it_runs() -> None:
+    text = (REPO / "README.md").read_text()
+    marker = "<!-- broker-producer -->"
+    assert marker in text, "the README lost its broker producer"
+    block = re.search(r"```python\n(.*?)```", text[text.index(marker) :], re.S)
+    assert block is not None
+    example = load_example()
+    for function in (example.submit, example.wait_for_end):
+        assert inspect.getsource(function) in block.group(1), f"the README's {function.__name__} is not the example's"
+    assert "import worker" not in EXAMPLE.read_text() and "from worker" not in EXAMPLE.read_text()
 
 
 @pytest.mark.parametrize("stack_name", ["pg_redis_s3_stack", "pg_amqp_s3_stack"])

@@ -30,10 +30,12 @@ reference to an input already in the object store:
 
 A message that breaks the contract is never retried and never stops the worker: it is
 refused (``InvalidSubmission``, naming the field), logged, and acknowledged. When its
-``idempotency_key`` and ``reply_to`` are themselves valid, the refusal is also recorded as
-a ``failed`` job (its ``errors`` say why) and announced to ``reply_to`` like any job's end,
-so the producer hears back; a message sent again with that key finds that failed job
-(a corrected message needs a new key).
+``idempotency_key`` is itself valid, the refusal is also recorded as a ``failed`` job (its
+``errors`` say why: code ``invalid_submission``, ``param`` the field), announced to its
+``reply_to`` (when that is valid too) like any job's end, so the producer hears back; a
+message sent again with that key finds that failed job (a corrected message needs a new
+key). A message whose Celery envelope is malformed never reaches this module
+(``worker.broker.envelope``).
 """
 
 from __future__ import annotations
