@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from openai.types import Batch
 from sqlalchemy import select
 
 from tests.worker.helpers import jsonl, openai_lines
@@ -146,6 +147,7 @@ def test_a_refusal_is_recorded_once_under_its_key(db_engine, settings) -> None:
         param="model", model=None, metadata={"bad": 1}, notify={"queue": "q"},
     )  # fmt: skip
     assert created and first["status"] == "failed" and first["metadata"] is None
+    Batch.model_validate(first, strict=True)  # still OpenAI's batch object
     assert first["errors"]["data"] == [
         {"code": "invalid_submission", "message": "model is required", "param": "model", "line": None}
     ]
