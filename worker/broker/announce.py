@@ -20,7 +20,7 @@ Where it goes (the job's ``notify``, from the submission's ``reply_to``):
 ``Announcer.announce`` publishes a job's announcement at once (the worker that ended the job
 calls it); ``Announcer.announce_due``, on every worker's periodic thread, publishes those
 still due a lease period later (a job cancelled from the CLI or the API, a worker that died
-between the two, a publish that failed).
+between the two, a publish that failed: tried again every lease period, oldest first).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from kombu import Exchange, Queue
 from sqlalchemy.engine import Engine
 
 from worker.core.settings import Settings
-from worker.jobs.announcements import Claim, claim, claim_due, mark_announced, release
+from worker.jobs.announcements import Claim, claim, claim_due, mark_announced
 
 log = logging.getLogger(__name__)
 
-# A publish gives up after a few seconds (well within a lease period): the claim is then
-# given back and the periodic pass tries again.
+# A publish gives up after a few seconds (well within a lease period); the periodic pass
+# tries it again once the claim's lease period has passed.
 RETRY_POLICY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
 
 
@@ -84,6 +84,7 @@ class Announcer:
 
     def __init__(self, app: Celery, db: Engine, settings: Settings) -> None:
         self.app, self.db, self.settings = app, db, settings
+        self._failing: set[str] = set()  # jobs whose failed publish was logged (once, until it works)
 
     def announce(self, job_id: str) -> bool:
         """Publish ``job_id``'s announcement now if it is due (the job ended, names a reply
@@ -110,16 +111,16 @@ class Announcer:
                 self.app, taken.target, taken.body, message_id=taken.message_id, correlation_id=taken.idempotency_key
             )
         except Exception as exc:
-            log.warning("could not announce job %s to %s: %s: %s (retried later)", taken.job_id, where,
-                        type(exc).__name__, exc)  # fmt: skip
-            try:
-                release(self.db, taken)
-            except Exception:
-                log.debug("could not give back the announcement claim of job %s", taken.job_id, exc_info=True)
-            return False
+            again = taken.job_id in self._failing
+            self._failing.add(taken.job_id)
+            log.log(logging.DEBUG if again else logging.WARNING, "could not announce job %s to %s: %s: %s "
+                    "(tried again every lease period until it works)", taken.job_id, where, type(exc).__name__,
+                    exc)  # fmt: skip
+            return False  # the claim stays: the periodic pass takes it again a lease period later
         try:
             mark_announced(self.db, taken)
         except Exception:  # published: the next pass publishes it again (at least once)
             log.warning("announced job %s but could not record it", taken.job_id, exc_info=True)
+        self._failing.discard(taken.job_id)
         log.info("announced job %s %s to %s", taken.job_id, taken.body["status"], where)
         return True

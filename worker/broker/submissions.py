@@ -3,8 +3,9 @@
 1. The message is checked field by field (``parse_submission``). A key that already names a
    job (a duplicate, a redelivery) makes nothing new: that job is the answer.
 2. Its input must be an object under the configured store (``ObjectStore.key_of``), not one
-   of Conveyor's own job objects (``jobs/...``); when the message names no format, the
-   object's first bytes and name give it (as ``conveyor submit`` detects it).
+   of Conveyor's own job objects (``jobs/...``), that this worker can read: its first bytes
+   are read, and with its name give its format when the message names none (as
+   ``conveyor submit`` detects it).
 3. ``create_job`` records the job ``validating`` under the key (two copies of the message
    arriving at once still make one job).
 4. While the job is ``validating``, ``conveyor.ingest_job`` goes to the intake queue, where
@@ -93,7 +94,8 @@ def handle_submission(
     if job is None:
         try:
             key = input_key(store, sub.input_uri)
-            fmt = sub.input_format or detect_input_format(store, key, sub.input_uri)
+            detected = detect_input_format(store, key, sub.input_uri)  # and it is there, and readable
+            fmt = sub.input_format or detected
             options = SubmitOptions(
                 model=sub.model, shard_size=sub.shard_size, priority=sub.priority, input_format=fmt,
                 completion_window=sub.completion_window,

@@ -11,11 +11,12 @@ A claim is a compare-and-set on the job's ``updated_at`` (a finished job no long
 it) and holds for a lease period:
 
 - whoever ended the job in a worker claims its announcement at once (``claim``), publishes
-  it, then marks it sent (``mark_announced``) or, when the publish failed, gives the claim
-  back (``release``) so that the next pass tries again;
-- every worker's periodic pass (``claim_due``) takes the announcements due whose job has not
-  changed for a lease period: their announcer died or could not publish, or none ran (a job
-  cancelled from the CLI ends in a process that has no broker connection).
+  it, then marks it sent (``mark_announced``);
+- every worker's periodic pass (``claim_due``) takes, oldest first, the announcements due
+  whose job has not changed for a lease period: their announcer died or could not publish
+  (a failed publish keeps its claim, so it is tried again a lease period later, behind the
+  others), or none ran (a job cancelled from the CLI ends in a process that has no broker
+  connection).
 
 ``notified_at`` is set after the publish succeeded, so delivery is at least once: a crash
 between the two publishes the announcement again, with the same message id, which
@@ -133,16 +134,4 @@ def mark_announced(db: Engine, claim: Claim) -> bool:
                 .values(notified_at=now())
                 .execution_options(synchronize_session=False)
             ).rowcount
-        )
-
-
-def release(db: Engine, claim: Claim) -> None:
-    """Give back a claim whose publish failed: the next periodic pass takes it again at once
-    (unless the job changed since, which starts its lease period anew)."""
-    with db.begin() as conn:
-        conn.execute(
-            update(Job)
-            .where(Job.id == claim.job_id, Job.updated_at == claim.claimed, Job.notified_at.is_(None))
-            .values(updated_at=claim.previous)
-            .execution_options(synchronize_session=False)
         )
