@@ -248,7 +248,7 @@ def embedded_stack(tmp_path, tiny_model):
 
 def _service_stack(tmp_path, tiny_model, pg_url, broker: dict, storage_url: str, extra_env: dict):
     from tests.worker.helpers import Stack, make_values
-    from worker.broker.queues import queue_name
+    from worker.broker.queues import intake_queue_name, queue_name, submit_queue_name
     from worker.jobs.model_names import canonical_model
     from worker.store.schema import upgrade_database
 
@@ -256,7 +256,9 @@ def _service_stack(tmp_path, tiny_model, pg_url, broker: dict, storage_url: str,
     options = {k: v for k, v in broker.items() if not k.startswith("_")}
     values = make_values(tmp_path / "home", tiny_model, database_url=pg_url, storage_url=storage_url, **options)
     if "_queues" in broker:
-        broker["_queues"].append(queue_name(canonical_model(tiny_model), values["queue_prefix"]))
+        prefix = values["queue_prefix"]
+        model_queue = queue_name(canonical_model(tiny_model), prefix)
+        broker["_queues"] += [model_queue, intake_queue_name(prefix), submit_queue_name(prefix)]
     return Stack(values, tiny_model, extra_env)
 
 

@@ -48,7 +48,9 @@ def test_queue_names_are_broker_safe_and_distinct(tmp_path) -> None:
     assert queue_name("Qwen/Qwen3-0.6B").startswith("conveyor-Qwen_Qwen3-0_6B-")
 
 
-def test_the_celery_app_is_json_only_with_late_acks_its_model_queue_and_intake(tiny_model, tmp_path) -> None:
+def test_the_celery_app_is_json_only_with_late_acks_its_model_queue_intake_and_submissions(
+    tiny_model, tmp_path
+) -> None:
     settings = Settings(home=tmp_path, model=tiny_model, queue_prefix="qtest")
     app = create_app(settings)
     conf = app.conf
@@ -56,9 +58,11 @@ def test_the_celery_app_is_json_only_with_late_acks_its_model_queue_and_intake(t
     assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.worker_prefetch_multiplier == 1
     assert conf.worker_pool == "threads"
     name = queue_name(canonical_model(tiny_model), "qtest")
-    assert conf.task_default_queue == name and [q.name for q in conf.task_queues] == [name, "qtest-intake"]
+    queues = [q.name for q in conf.task_queues]
+    assert conf.task_default_queue == name and queues == [name, "qtest-intake", "qtest-submit"]
     assert model_queue(name).exchange.name == name
-    assert {"conveyor.run_shard", "conveyor.finalize_job", "conveyor.ingest_job"} <= set(app.tasks)
+    tasks = {"conveyor.run_shard", "conveyor.finalize_job", "conveyor.ingest_job", "conveyor.submit_job"}
+    assert tasks <= set(app.tasks)
 
 
 def test_prefix_must_be_broker_safe() -> None:

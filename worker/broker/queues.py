@@ -4,7 +4,8 @@ Everything that sends to or inspects a queue imports it from here (the Celery ap
 tasks, the worker's sweeper wiring, the client), so no two of them need each other. Task
 arguments are JSON: ``conveyor.run_shard(job_id, shard_index)``,
 ``conveyor.finalize_job(job_id, redo)`` and ``conveyor.ingest_job(job_id)``; a producer in
-any language can send them.
+any language can send them. ``conveyor.submit_job(**fields)``, on the submission queue, is the
+one meant for producers outside Conveyor (``worker.broker.submission_contract``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 RUN_SHARD = "conveyor.run_shard"
 FINALIZE_JOB = "conveyor.finalize_job"
 INGEST_JOB = "conveyor.ingest_job"
+SUBMIT_JOB = "conveyor.submit_job"
 DEFAULT_QUEUE = "conveyor-unconfigured"  # a worker with no model refuses to start anyway
 
 
@@ -55,6 +57,12 @@ def intake_queue_name(prefix: str = "conveyor") -> str:
     """The queue of ``ingest_job`` tasks: every worker consumes it, whatever its model (an
     intake needs only the database and the store)."""
     return f"{prefix}-intake"
+
+
+def submit_queue_name(prefix: str = "conveyor") -> str:
+    """The queue of ``submit_job`` messages (broker-level submission, the public contract):
+    every worker consumes it, whatever its model."""
+    return f"{prefix}-submit"
 
 
 def model_queue(name: str) -> Queue:

@@ -6,6 +6,14 @@
 - ``conveyor.finalize_job(job_id, redo)``: finalise a job the sweeper found unfinished.
 - ``conveyor.ingest_job(job_id)``: stream a ``create_job`` job's stored input into shards and
   enqueue them on the job's model queue (idempotent: a redelivery finds the job started).
+- ``conveyor.submit_job(**fields)``: a job submitted through the broker by reference to a
+  stored input (``worker.broker.submission_contract``, ``worker.broker.submissions``).
+
+Every task reads its message through ``worker.broker.envelope.CheckedRequest``: a malformed
+envelope is rejected and logged, instead of stopping the worker.
+
+A task that ends a job (its last shard, a finalisation, an intake that failed) announces
+the end at once when the job names a reply target (``worker.broker.announce``).
 
 A database or storage outage never acknowledges a message unprocessed: the task waits for
 the dependency (the context's ``DependencyGate``) and then does its work; after
@@ -21,14 +29,26 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Reject
 
+from worker.broker.announce import Announcer
 from worker.broker.app_state import require_state
-from worker.broker.queues import FINALIZE_JOB, INGEST_JOB, RUN_SHARD, enqueue_shards, queue_name
+from worker.broker.envelope import REQUEST as CHECKED_REQUEST
+from worker.broker.queues import (
+    FINALIZE_JOB,
+    INGEST_JOB,
+    RUN_SHARD,
+    SUBMIT_JOB,
+    enqueue_intake,
+    enqueue_shards,
+    queue_name,
+)
+from worker.broker.submissions import handle_submission
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.shard_runner import RetryShard, run_shard
 from worker.jobs import object_keys
 from worker.jobs.finalize import FinalizeResult, finalize_if_ready, finalize_job
 from worker.jobs.lifecycle import JobNotFound, job_model
 from worker.jobs.submission import ingest_job
+from worker.store.models import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +65,15 @@ def register_tasks(app: Celery) -> None:
     """Define the tasks on ``app``; they run in the context ``app.conveyor`` creates."""
     state = require_state(app)
 
-    @app.task(name=RUN_SHARD, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+    def announce(job_id: str) -> None:
+        ctx = state.context()
+        Announcer(app, ctx.db, ctx.settings).announce(job_id)
+
+    common: dict[str, Any] = {
+        "bind": True, "shared": False, "acks_late": True, "reject_on_worker_lost": True, "Request": CHECKED_REQUEST,
+    }  # fmt: skip
+
+    @app.task(name=RUN_SHARD, max_retries=None, **common)
     def run_shard_task(self: Any, job_id: str, shard_index: int) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         ctx = state.context()
@@ -60,9 +88,11 @@ def register_tasks(app: Celery) -> None:
             raise Reject(str(exc), requeue=True) from None
         reason = f" [{outcome.reason}]" if outcome.reason else ""
         log.info("shard %s/%d: %s (%d items)%s", job_id, shard_index, outcome.status, outcome.items, reason)
+        if outcome.finalized:
+            announce(job_id)
         return outcome.as_dict()
 
-    @app.task(name=FINALIZE_JOB, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    @app.task(name=FINALIZE_JOB, **common)
     def finalize_job_task(self: Any, job_id: str, redo: bool = False) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         ctx = state.context()
@@ -79,9 +109,11 @@ def register_tasks(app: Celery) -> None:
         except DependencyUnavailable as exc:
             log.warning("%s; handing the message back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
+        if result is not None:
+            announce(job_id)
         return {"job_id": job_id, "status": result.status.value if result else None}
 
-    @app.task(name=INGEST_JOB, bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    @app.task(name=INGEST_JOB, **common)
     def ingest_job_task(self: Any, job_id: str) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         ctx = state.context()
@@ -103,4 +135,36 @@ def register_tasks(app: Celery) -> None:
             log.warning("ingest_job: no job %s (deleted?); dropping the message", job_id)
             return {"job_id": job_id, "status": None}
         log.info("job %s ingested: %s", job_id, job["status"])
+        if JobStatus(job["status"]).terminal:  # its input was refused, or it had no request
+            announce(job_id)
         return {"job_id": job_id, "status": job["status"]}
+
+    @app.task(name=SUBMIT_JOB, **common)
+    def submit_job_task(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        ctx = state.context()
+
+        def intake(job_id: str) -> None:
+            try:
+                enqueue_intake(app, job_id, ctx.settings.queue_prefix)
+            except Exception as exc:  # the broker took this message but cannot take that one now
+                raise _IntakeNotSent(
+                    f"could not enqueue the intake of job {job_id}: {type(exc).__name__}: {exc}"
+                ) from exc
+
+        try:
+            return ctx.gate.call(
+                lambda: handle_submission(
+                    ctx.db, ctx.store, ctx.settings, args, kwargs,
+                    enqueue_intake=intake, announce=announce, task_id=self.request.id,
+                ),
+                what="taking a submission",
+                patience=ctx.settings.dependency_retry_seconds,
+            )  # fmt: skip
+        except (DependencyUnavailable, _IntakeNotSent) as exc:
+            log.warning("%s; handing the submission back to the broker", exc)
+            raise Reject(str(exc), requeue=True) from None
+
+
+class _IntakeNotSent(RuntimeError):
+    """A submission's job exists but its intake could not be enqueued: the submission message
+    goes back to the broker, and its redelivery enqueues the intake again."""

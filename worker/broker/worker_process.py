@@ -7,7 +7,9 @@
   A model that cannot load exits 1 before any message is taken, recorded ``failed`` with
   the reason, so nothing counts it as serving the model.
 - ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
-  the expiry (jobs of any model past their completion window) and the engine-snapshot threads.
+  the expiry (jobs of any model past their completion window), the announcements (jobs of
+  any model whose end is still to be announced on the broker: ``worker.broker.announce``)
+  and the engine-snapshot threads.
 - ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``.
 
 And one consumer bootstep, ``BrokerReconnected``: each time the consumer connects to the
@@ -23,6 +25,7 @@ from typing import Any
 
 from celery import Celery, bootsteps, signals
 
+from worker.broker.announce import Announcer
 from worker.broker.app_state import AppState, app_state
 from worker.broker.queues import enqueue_finalize, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
@@ -61,14 +64,17 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         set_worker_state(ctx.db, registry_id, WorkerState.ready)
         beat = Periodic("conveyor-registry", s.heartbeat_seconds, lambda: set_worker_state(ctx.db, registry_id))
         state.background.append(beat.start())
+    announcer = Announcer(app, ctx.db, s)
+
+    def expire() -> None:
+        for job_id in expire_due_jobs(ctx.db, ctx.store, heartbeat_seconds=s.heartbeat_seconds):
+            announcer.announce(job_id)  # when it ended at once (no shard was running)
+
     state.background += [
         state.sweep_thread,
         Periodic("conveyor-snapshots", s.snapshot_interval_seconds, SnapshotWriter(ctx).write_once).start(),
-        Periodic(
-            "conveyor-expiry",
-            s.sweep_interval_seconds,
-            lambda: expire_due_jobs(ctx.db, ctx.store, heartbeat_seconds=s.heartbeat_seconds),
-        ).start(),
+        Periodic("conveyor-expiry", s.sweep_interval_seconds, expire).start(),
+        Periodic("conveyor-announcements", s.sweep_interval_seconds, announcer.announce_due).start(),
     ]
     return state.background
 

@@ -25,7 +25,7 @@ from sqlalchemy.exc import OperationalError as DBError
 from tqdm.auto import tqdm
 
 from worker.batchio.records import InputError, InputFormat
-from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name
+from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
 from worker.entrypoints.client import Client, JobFailed, JobNotFinished
 from worker.jobs.lifecycle import JobNotFound, NotRetryable
@@ -240,7 +240,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ctx.store.check()
     finally:
         ctx.close()
-    queues = f"{queue_name(ctx.model, settings.queue_prefix)},{intake_queue_name(settings.queue_prefix)}"
+    prefix = settings.queue_prefix
+    queues = f"{queue_name(ctx.model, prefix)},{intake_queue_name(prefix)},{submit_queue_name(prefix)}"
     app = create_app(settings)
     argv = [
         "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={queues}",

@@ -126,7 +126,8 @@ def reopen_unenqueued(db: Engine, job_id: str) -> list[int]:
         reopened = conn.execute(
             update(Job)
             .where(Job.id == job_id, Job.status == JobStatus.failed)
-            .values(status=JobStatus.in_progress, failed_at=None, errors=None, updated_at=t)
+            # notified_at: its failure may have been announced; its end will be, again
+            .values(status=JobStatus.in_progress, failed_at=None, errors=None, notified_at=None, updated_at=t)
         ).rowcount
         if not reopened:  # another retry got here first
             raise NotRetryable(f"job {job_id} is being retried already")

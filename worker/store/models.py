@@ -39,6 +39,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -47,6 +48,9 @@ from worker.core.limits import DEFAULT_COMPLETION_WINDOW, MAX_CUSTOM_ID_CHARS
 
 # JSON documents: JSONB on Postgres, JSON (text) elsewhere.
 JSONType = JSON().with_variant(JSONB(), "postgresql")
+# The same, where ``None`` must be SQL NULL rather than JSON ``null`` (a column that a
+# partial index or an ``IS NULL`` test reads). Python-side only: the schema is the same.
+NullableJSONType = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 # Auto-increment 64-bit keys; SQLite only auto-increments an INTEGER PRIMARY KEY.
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -56,6 +60,8 @@ CUSTOM_ID_LEN = MAX_CUSTOM_ID_CHARS
 MODEL_LEN = 256
 IDEMPOTENCY_KEY_LEN = 256
 FILENAME_LEN = 512
+# The rows of the partial index ``ix_jobs_unannounced``.
+UNANNOUNCED = "notify IS NOT NULL AND notified_at IS NULL"
 
 
 def now() -> float:
@@ -172,14 +178,22 @@ class Job(Base):
     # A broker-level submission's key: a redelivered or duplicated message finds this job.
     idempotency_key: Mapped[str | None] = mapped_column(String(IDEMPOTENCY_KEY_LEN))
     # Where to announce the job's end on the broker (an outbox: ``notified_at`` is set once
-    # the announcement was published).
-    notify: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    # the announcement was published; ``worker.jobs.announcements``).
+    notify: Mapped[dict[str, Any] | None] = mapped_column(NullableJSONType)
     notified_at: Mapped[float | None] = mapped_column(Double)
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
         Index("ix_jobs_owner_created", "owner", "created_at"),
         UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
+        # The outbox: jobs with an announcement still to publish (few), found without
+        # reading every finished job.
+        Index(
+            "ix_jobs_unannounced",
+            "updated_at",
+            postgresql_where=text(UNANNOUNCED),
+            sqlite_where=text(UNANNOUNCED),
+        ),
     )
 
     def as_batch_object(self) -> dict[str, Any]:
