@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
 
 from worker.api.auth import Caller
+from worker.api.batch_create import create_batch, parse_body, read_json_body
 from worker.api.errors import ApiError
 from worker.api.services import Services
 from worker.jobs.owned_jobs import MAX_LIST_LIMIT, NotCancellable, cancel_owned_batch, list_owned_batches, owned_batch
@@ -30,6 +32,13 @@ BATCH_FIELDS = (
 def api_batch(obj: dict[str, Any]) -> dict[str, Any]:
     """A job's batch object with OpenAI's fields only."""
     return {name: obj[name] for name in BATCH_FIELDS}
+
+
+@router.post("")
+async def create_batch_route(request: Request, owner: Caller, services: Services) -> dict[str, Any]:
+    req = parse_body(await read_json_body(request))
+    idempotency = request.headers.get("idempotency-key")
+    return api_batch(await run_in_threadpool(create_batch, services, owner.id, req, idempotency))
 
 
 @router.get("")

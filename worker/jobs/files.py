@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection, Engine
 from worker.batchio.batch_scan import BatchScan, BatchScanner
 from worker.core.limits import MAX_FILENAME_CHARS
 from worker.store.models import Job, JobStatus, StoredFile, now
-from worker.store.objects.base import ObjectNotFound, ObjectStore, ObjectWriter
+from worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore, ObjectWriter
 
 _FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 
@@ -269,20 +269,11 @@ def list_page(data: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
     }
 
 
-def key_in_store(store: ObjectStore, uri: str) -> str:
-    """The key, relative to ``store``, of the object ``uri`` names; ``ValueError`` if it lies
-    outside the store."""
-    root = store.uri().rstrip("/") + "/"
-    if not uri.startswith(root) or len(uri) == len(root):
-        raise ValueError(f"{uri} is not an object of the store at {root}")
-    return uri[len(root) :]
-
-
 def open_content(db: Engine, store: ObjectStore, file_id: str, owner: str | None) -> tuple[dict[str, Any], BinaryIO]:
     """The file object and a stream of its bytes; ``FileNotFound`` if either is missing."""
     info = get_file_info(db, file_id, owner)
     try:
-        return info.object, store.open_read(key_in_store(store, info.uri))
+        return info.object, store.open_read(store.key_of(info.uri))
     except ObjectNotFound:
         raise FileNotFound(f"the content of file {file_id} is gone from the object store") from None
 
@@ -307,8 +298,8 @@ def delete_file(db: Engine, store: ObjectStore, file_id: str, owner: str | None)
             raise FileInUse(f"file {file_id} is the input of batch {pending}, which has not read it yet")
         conn.execute(delete(StoredFile).where(StoredFile.id == file_id))
         uri = row.uri
-    with contextlib.suppress(ValueError):  # (an object outside the store is not ours to delete)
-        store.delete(key_in_store(store, uri))
+    with contextlib.suppress(InvalidKey):  # (an object outside the store is not ours to delete)
+        store.delete(store.key_of(uri))
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -332,8 +323,8 @@ def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) ->
             if row is None or pending is not None:
                 continue
             conn.execute(delete(StoredFile).where(StoredFile.id == file_id))
-        with contextlib.suppress(ValueError):
-            store.delete(key_in_store(store, row.uri))
+        with contextlib.suppress(InvalidKey):
+            store.delete(store.key_of(row.uri))
         gone += 1
     return gone
 

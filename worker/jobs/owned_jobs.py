@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Engine
 
 from worker.jobs import object_keys
@@ -108,3 +108,20 @@ def cancel_owned_batch(
     if status not in (JobStatus.cancelling, JobStatus.cancelled):
         cancel_job(db, store, job_id, heartbeat_seconds=heartbeat_seconds)
     return _view(db, _load(db, job_id, owner))
+
+
+def fail_unqueued(db: Engine, job_id: str, message: str) -> None:
+    """A ``create_job`` job whose intake could not be enqueued (the broker was down): it ends
+    ``failed`` (``enqueue_failed``) rather than wait forever for a worker to read its input."""
+    t = now()
+    with db.begin() as conn:
+        conn.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.validating)
+            .values(
+                status=JobStatus.failed,
+                failed_at=t,
+                updated_at=t,
+                errors=[{"code": "enqueue_failed", "message": message, "param": None, "line": None}],
+            )
+        )
