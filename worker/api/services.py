@@ -63,8 +63,8 @@ class ApiServices:
         self.db.dispose()
 
 
-def get_services(request: Request) -> ApiServices:
-    """The app's services (a FastAPI dependency)."""
+async def get_services(request: Request) -> ApiServices:
+    """The app's services (a FastAPI dependency; ``async`` as it does no I/O: no thread hop)."""
     services: ApiServices = request.app.state.services
     return services
 

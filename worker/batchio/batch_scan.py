@@ -114,10 +114,7 @@ class BatchScanner:
             return
         scan = self.scan
         scan.lines += 1
-        try:
-            obj = loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError):
-            obj = None
+        obj = _parse(text)
         if not isinstance(obj, dict):
             scan.not_json += 1
             if scan.first_not_json_line is None:
@@ -132,6 +129,21 @@ class BatchScanner:
             scan.more_models = _add(scan.models, model, MAX_MODELS) or scan.more_models
         else:
             scan.without_model += 1
+
+
+def _parse(text: bytes) -> Any:
+    """The line's JSON value, or None. The plain parser first (this runs on every byte of an
+    upload, and bounding integers costs time); an integer too long for it is retried bounded."""
+    try:
+        decoded = text.decode("utf-8")
+        try:
+            return json.loads(decoded)
+        except json.JSONDecodeError:
+            return None
+        except ValueError:  # an integer of more than 4,300 digits
+            return loads(decoded)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
 
 
 def _add(values: list[str], value: str, cap: int) -> bool:
