@@ -11,11 +11,16 @@ from typing import Any
 import openai
 import pytest
 from openai.types import Batch, FileObject
+from sqlalchemy import select
 
 from tests.worker.api_server import ApiServer
 from tests.worker.helpers import jsonl, openai_lines, wait_for
 from tests.worker.test_faults import SLOW_ENGINE
 from tests.worker.test_openai_compat import check_output_line
+from worker.broker.queues import queue_name
+from worker.jobs.model_names import canonical_model
+from worker.store.database import create_db_engine
+from worker.store.models import Worker
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny-chat"  # the public name the workers serve the tiny checkpoint under
@@ -88,6 +93,13 @@ def test_the_sdk_uploads_creates_polls_and_downloads_a_batch(api_stack, serve, s
     worker.wait_ready()
     assert MODEL in [m.id for m in client.models.list()]
     assert client.models.retrieve(MODEL).owned_by == "conveyor"
+    db = create_db_engine(api_stack.settings.database)
+    try:  # the worker serves the checkpoint under the public name, on that name's queue
+        with db.connect() as conn:
+            row = conn.execute(select(Worker.model, Worker.checkpoint, Worker.queue)).one()
+    finally:
+        db.dispose()
+    assert tuple(row) == (MODEL, canonical_model(api_stack.model), queue_name(MODEL, api_stack.values["queue_prefix"]))
 
     good = batch_lines(5)
     hot = {**good[4], "custom_id": "hot", "body": {**good[4]["body"], "temperature": 9}}  # a bad value
