@@ -208,6 +208,19 @@ def test_key_use_is_recorded_at_most_once_per_interval(db_engine) -> None:
         assert conn.execute(text("SELECT last_used_at FROM api_keys")).scalar_one() is not None
 
 
+def test_a_verified_key_is_taken_without_the_database_for_a_moment(db_engine) -> None:
+    _, key = create_key(db_engine, "quick")
+    verifier = KeyVerifier(db_engine, cache_seconds=0.5)
+    assert verifier.cached(key) is None  # never verified here
+    key_id = verifier.verify(key)
+    assert key_id is not None and verifier.cached(key) == key_id
+    assert verifier.cached(key + "x") is None and verifier.cached("x" * 10_000) is None
+    revoke_key(db_engine, "quick")
+    assert verifier.cached(key) == key_id  # for at most cache_seconds
+    time.sleep(0.6)
+    assert verifier.cached(key) is None and verifier.verify(key) is None
+
+
 def test_served_model_names_are_names_not_paths() -> None:
     for good in ("tiny-chat", "org/llama-3-8b", "Qwen3.0"):
         assert check_served_name(good) == good

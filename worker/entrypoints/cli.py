@@ -605,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     klist = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
     klist.add_argument("--json", action="store_true", help="print them as JSON")
     klist.set_defaults(fn=cmd_keys_list)
-    revoke = keys_sub.add_parser("revoke", help="revoke a key: requests with it get 401 at once")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key: requests with it get 401 (within 2 s)")
     revoke.add_argument("name", help="the key's name")
     revoke.set_defaults(fn=cmd_keys_revoke)
 

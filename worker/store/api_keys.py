@@ -110,8 +110,9 @@ def list_keys(db: Engine) -> list[KeyInfo]:
 
 
 def revoke_key(db: Engine, name: str) -> KeyInfo:
-    """Revoke the key named ``name`` (at once: the next request with it gets 401); revoking a
-    revoked key changes nothing. ``KeyNotFound`` if there is none."""
+    """Revoke the key named ``name`` (a server that verified it in the last seconds takes it
+    for those seconds more: ``KeyVerifier.cached``); revoking a revoked key changes nothing.
+    ``KeyNotFound`` if there is none."""
     with db.begin() as conn:
         conn.execute(update(ApiKey).where(ApiKey.name == name, ApiKey.revoked_at.is_(None)).values(revoked_at=now()))
         row = conn.execute(
@@ -146,18 +147,39 @@ def find_key(db: Engine, key: str) -> str | None:
 
 
 class KeyVerifier:
-    """``verify(key)`` -> the key's id or None, recording its use (``last_used_at``) at most
-    once per ``touch_seconds`` per key in this process."""
+    """``verify(key)`` -> the key's id or None (a database read), recording its use
+    (``last_used_at``) at most once per ``touch_seconds`` per key in this process.
 
-    def __init__(self, db: Engine, touch_seconds: float = 60.0) -> None:
-        self.db, self.touch_seconds = db, touch_seconds
+    ``cached(key)`` answers without the database for a key verified in the last
+    ``cache_seconds`` (None otherwise: then ``verify``): a busy client's requests skip the
+    lookup, and a revoked key stops working within ``cache_seconds``. Only keys that were
+    found are kept (by hash), at most ``MAX_CACHED``."""
+
+    MAX_CACHED = 10_000
+
+    def __init__(self, db: Engine, touch_seconds: float = 60.0, cache_seconds: float = 2.0) -> None:
+        self.db, self.touch_seconds, self.cache_seconds = db, touch_seconds, cache_seconds
         self._touched: dict[str, float] = {}
+        self._found: dict[str, tuple[str, float]] = {}  # key hash -> (key id, when verified)
         self._lock = threading.Lock()
+
+    def cached(self, key: str) -> str | None:
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            return None
+        hit = self._found.get(hash_key(key))
+        if hit is None or time.monotonic() - hit[1] > self.cache_seconds:
+            return None
+        return hit[0]
 
     def verify(self, key: str) -> str | None:
         key_id = find_key(self.db, key)
-        if key_id is not None:
-            self._touch(key_id)
+        if key_id is None:
+            return None
+        with self._lock:
+            if len(self._found) >= self.MAX_CACHED:
+                self._found.clear()
+            self._found[hash_key(key)] = (key_id, time.monotonic())
+        self._touch(key_id)
         return key_id
 
     def _touch(self, key_id: str) -> None:
