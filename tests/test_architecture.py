@@ -22,16 +22,22 @@ WORKER_LAYERS = ("core", "store", "batchio", "jobs", "execution", "metrics", "br
 # (``celery -A worker.app``, ``from worker.client import Client``): they sit above every layer.
 WORKER_PUBLIC_PATHS = {"worker", "worker.app", "worker.client"}
 
+# The HTTP stack: only the api layer (and the entrypoints that start it) may use it.
+HTTP = {"fastapi", "starlette", "uvicorn", "python_multipart"}
+
 # Third-party packages a layer must not use, so its job stays its own.
 FORBIDDEN = {
-    "engine": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "botocore", "pydantic_settings"},
-    "kernels": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "transformers"},
-    "worker.core": {"torch", "celery", "kombu", "sqlalchemy", "boto3"},
-    "worker.store": {"torch", "celery", "kombu"},
-    "worker.batchio": {"torch", "celery", "kombu", "sqlalchemy", "boto3"},
-    "worker.jobs": {"torch", "celery", "kombu"},
-    "worker.execution": {"celery", "kombu"},
-    "worker.metrics": {"torch", "celery", "kombu"},
+    "engine": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "botocore", "pydantic_settings", *HTTP},
+    "kernels": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "transformers", *HTTP},
+    "worker.core": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
+    "worker.store": {"torch", "celery", "kombu", *HTTP},
+    "worker.batchio": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
+    "worker.jobs": {"torch", "celery", "kombu", *HTTP},
+    "worker.execution": {"celery", "kombu", *HTTP},
+    "worker.metrics": {"torch", "celery", "kombu", *HTTP},
+    "worker.broker": HTTP,
+    # The API serves requests: it never loads a model.
+    "worker.api": {"torch", "transformers"},
 }
 
 

@@ -18,7 +18,7 @@ from worker.broker.queues import DEFAULT_QUEUE, queue_name
 from worker.broker.tasks import register_tasks
 from worker.broker.worker_process import add_consumer_steps, connect_signals
 from worker.core.settings import Settings, get_settings
-from worker.jobs.model_names import canonical_model
+from worker.jobs.model_names import canonical_model, check_served_name
 
 
 def create_app(settings: Settings | None = None, model: str | None = None) -> Celery:
@@ -26,7 +26,9 @@ def create_app(settings: Settings | None = None, model: str | None = None) -> Ce
     settings = settings or get_settings()
     name = model or settings.model
     canonical = canonical_model(name) if name else None
-    queue = queue_name(canonical, settings.queue_prefix) if canonical else DEFAULT_QUEUE
+    # Jobs name the model by its served name when it has one; its queue is named from it.
+    served = check_served_name(settings.served_model_name) if settings.served_model_name else canonical
+    queue = queue_name(served, settings.queue_prefix) if served else DEFAULT_QUEUE
     app = celery_app(settings, queue)
     app.conveyor = AppState(settings, canonical, queue)
     register_tasks(app)

@@ -104,7 +104,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     try:
         ctx = state.context()
         revision = ensure_schema(ctx.settings, ctx.db)
-        state.registry_id = register_worker(ctx.db, ctx.model, state.queue)
+        state.registry_id = register_worker(ctx.db, ctx.model, state.queue, checkpoint=ctx.checkpoint)
         ctx.store.check()  # a worker that cannot store results must not take shards
         log.info("conveyor worker: %s on queue %s; schema %s", ctx.describe(), state.queue, revision)
         pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)

@@ -41,6 +41,11 @@ class InputLimits:
 
 DEFAULT_LIMITS = InputLimits()
 
+# The HTTP API's Files endpoint: an upload's size (OpenAI's own per-file limit, and the default
+# CONVEYOR_MAX_INPUT_BYTES, so an upload that fits can be a batch's input), and its filename.
+DEFAULT_MAX_UPLOAD_BYTES = 512 * MiB
+MAX_FILENAME_CHARS = 255
+
 
 # A job's completion window (OpenAI's ``completion_window``): whole hours or days, "1h" to "30d".
 DEFAULT_COMPLETION_WINDOW = "24h"

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from worker.core.limits import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_LIMITS,
+    DEFAULT_MAX_UPLOAD_BYTES,
     MAX_CUSTOM_ID_CHARS,
     MIN_COMPLETION_WINDOW_SECONDS,
     GiB,
@@ -95,6 +96,11 @@ class Settings(BaseSettings):
     max_messages: int = Field(DEFAULT_LIMITS.max_messages, ge=1)
     max_shard_size: int = Field(10_000, ge=1)
     max_priority: int = Field(1000, ge=0)
+    # The HTTP API (``conveyor serve``): the largest file ``POST /v1/files`` takes (a bigger
+    # one is answered 413 and nothing of it is kept), and how many uploads stream at once
+    # (one more is answered 429; the SDK retries it).
+    max_upload_bytes: int = Field(DEFAULT_MAX_UPLOAD_BYTES, ge=1)
+    max_concurrent_uploads: int = Field(8, ge=1, le=1024)
 
     # Sharding, leases and write batching.
     shard_size: int = Field(256, ge=1)
@@ -108,6 +114,9 @@ class Settings(BaseSettings):
     # The worker: which model it serves, how many shard tasks it runs at once (threads),
     # and the engine's options (``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}').
     model: str | None = None
+    # The public name a worker serves its model under (``conveyor worker --served-model-name``):
+    # jobs name it (an API batch's ``body.model``) and its queue is named from it.
+    served_model_name: str | None = None
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)

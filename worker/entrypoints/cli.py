@@ -1,10 +1,11 @@
-"""``conveyor``: run | submit | worker | status | results | cancel | db upgrade | bench.
+"""``conveyor``: run | submit | worker | serve | keys | status | results | cancel | db upgrade | bench.
 
 User errors (a missing file, a bad setting, an unknown job, a service that cannot be
 reached) print one line, ``conveyor: error: ...``, and exit 1; URLs are shown redacted.
 
 The commands that drive the engine (``run``, ``worker``, ``bench``) import it when they run:
 torch takes seconds to import, and ``submit``, ``status`` or ``results`` never need it.
+``serve`` imports the HTTP stack (FastAPI, uvicorn) when it runs, for the same reason.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from worker.jobs.lifecycle import JobNotFound, NotRetryable
 from worker.jobs.model_names import InvalidModel, canonical_model
 from worker.jobs.object_keys import InvalidJobId
 from worker.jobs.submission import SubmitError
+from worker.store.api_keys import KeyNameError, KeyNotFound, active_key_count, create_key, list_keys, revoke_key
+from worker.store.database import create_db_engine
 from worker.store.models import JobStatus
 from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable
 from worker.store.schema import SchemaError, ensure_schema, upgrade_database
@@ -232,7 +235,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UserError("no model to serve: pass --model or set CONVEYOR_MODEL")
     settings = load_settings(
         worker_concurrency=args.concurrency, model=canonical_model(model),
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -333,6 +336,121 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _database(settings: Settings) -> Any:
+    """The settings' database, with its schema checked (the embedded one migrated)."""
+    if settings.is_embedded:
+        settings.ensure_home()
+    db = create_db_engine(settings.database)
+    try:
+        ensure_schema(settings, db)
+    except BaseException:
+        db.dispose()
+        raise
+    return db
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    if args.insecure_no_auth and not is_loopback(args.host):
+        raise UserError(
+            f"--insecure-no-auth serves without keys, so only on a loopback address (127.0.0.1, ::1), "
+            f"not {args.host}; create a key with `conveyor keys create NAME` instead"
+        )
+    db = _database(settings)
+    try:
+        keys = active_key_count(db)
+    finally:
+        db.dispose()
+    if not keys and not args.insecure_no_auth:
+        raise UserError(
+            "no API key exists, so no request could be served: create one with `conveyor keys create NAME` "
+            "(it prints the key once), or start with --insecure-no-auth on a loopback address to serve without keys"
+        )
+    if keys and args.insecure_no_auth:
+        print(
+            f"conveyor: warning: --insecure-no-auth: {keys} API key(s) exist but none is asked for; what they "
+            "created is not visible without them",
+            file=sys.stderr,
+        )
+    import uvicorn  # the HTTP stack (see the module docstring)
+
+    from worker.api.app import create_app
+
+    app = create_app(settings, insecure=args.insecure_no_auth)
+    where = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/v1"
+    keys_note = "no keys: insecure" if args.insecure_no_auth else "API keys required"
+    print(
+        f"conveyor serve: OpenAI-compatible API at {where} ({keys_note}); database "
+        f"{redact_url(settings.database)}, broker {redact_url(settings.broker)}, "
+        f"storage {redact_url(settings.storage)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=(args.loglevel or settings.log_level).lower(),
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    db = _database(load_settings())
+    try:
+        info, key = create_key(db, args.name)
+    finally:
+        db.dispose()
+    print(key, flush=True)  # alone on its line of stdout: `KEY=$(conveyor keys create NAME)`
+    print(
+        f"conveyor: created API key {info.name!r} ({info.id}); it is shown only this once: keep it",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    db = _database(load_settings())
+    try:
+        keys = list_keys(db)
+    finally:
+        db.dispose()
+    if args.json:
+        _print_json([k.as_dict() for k in keys])
+        return 0
+
+    def when(t: float | None) -> str:
+        return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+    for k in keys:
+        state = "active" if k.active else f"revoked {when(k.revoked_at)}"
+        print(f"{k.name}  {k.id}  created {when(k.created_at)}  last used {when(k.last_used_at)}  {state}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    db = _database(load_settings())
+    try:
+        info = revoke_key(db, args.name)
+    finally:
+        db.dispose()
+    print(f"conveyor: API key {info.name!r} ({info.id}) is revoked", file=sys.stderr)
+    return 0
+
+
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     settings = load_settings()
     if settings.database_url is None:
@@ -413,6 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="serve a model's queue (Celery worker, threads pool)")
     worker.add_argument("--model", help=MODEL_HELP + " (default CONVEYOR_MODEL)")
+    worker.add_argument(
+        "--served-model-name",
+        help="the public name jobs and API batches use for this model (body.model); default: --model itself "
+        "(CONVEYOR_SERVED_MODEL_NAME)",
+    )
     worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
     worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
     worker.add_argument(
@@ -463,6 +586,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(fn=cmd_bench)
 
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible Files and Batches API over HTTP")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve without API keys (everything owned by nobody); only on a loopback --host",
+    )
+    serve.add_argument("--loglevel", help="debug, info, warning... (default CONVEYOR_LOG_LEVEL, INFO)")
+    serve.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    serve.set_defaults(fn=cmd_serve)
+
+    keys = sub.add_parser("keys", help="API keys of the HTTP API (conveyor serve)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = keys_sub.add_parser("create", help="create a key; prints it once, alone on a line")
+    create.add_argument("name", help="a name for the key: letters, digits, '.', '_', '-' (unique)")
+    create.set_defaults(fn=cmd_keys_create)
+    klist = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
+    klist.add_argument("--json", action="store_true", help="print them as JSON")
+    klist.set_defaults(fn=cmd_keys_list)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key: requests with it get 401 (within 2 s)")
+    revoke.add_argument("name", help="the key's name")
+    revoke.set_defaults(fn=cmd_keys_revoke)
+
     db = sub.add_parser("db", help="database schema")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     upgrade = db_sub.add_parser("upgrade", help="apply the migrations (creates the schema)")
@@ -474,7 +621,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return (
         UserError, ConfigError, InputError, InvalidModel, InvalidJobId, JobNotFound, JobNotFinished, JobFailed,
         SubmitError,
-        NotRetryable, SchemaError, ObjectNotFound, InvalidKey, StorageUnavailable, BrokerUnavailable,
+        NotRetryable, SchemaError, KeyNameError, KeyNotFound, ObjectNotFound, InvalidKey, StorageUnavailable,
+        BrokerUnavailable,
         FileNotFoundError, IsADirectoryError, PermissionError, TimeoutError, ValueError, DBError, BrokerError,
     )  # fmt: skip
 

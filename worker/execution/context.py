@@ -26,7 +26,7 @@ from worker.core.settings import ConfigError, Settings, redact_url
 from worker.execution.dependency_gate import DependencyGate
 from worker.execution.engine_host import EngineHost, HostStats
 from worker.jobs import object_keys
-from worker.jobs.model_names import canonical_model
+from worker.jobs.model_names import canonical_model, check_served_name
 from worker.store.database import create_db_engine
 from worker.store.faults import DATABASE, STORAGE
 from worker.store.items import ItemRecord
@@ -65,7 +65,8 @@ class WorkerContext:
     settings: Settings
     db: Engine
     store: ObjectStore
-    model: str  # canonical
+    model: str  # what jobs name: the served name, else the checkpoint (canonical)
+    checkpoint: str | None = None  # what the engine loads, when it is served under another name
     worker_id: str = field(default_factory=worker_id)
     host_factory: Callable[[], EngineHost] | None = None
     on_items: Callable[[int], None] | None = None  # progress: items newly stored
@@ -89,13 +90,17 @@ class WorkerContext:
         if not name:
             raise ConfigError("no model to serve: pass --model or set CONVEYOR_MODEL")
         canonical = canonical_model(name)
+        served = settings.served_model_name
+        if served is not None:
+            kwargs["checkpoint"] = canonical
+            canonical = check_served_name(served)
         if settings.is_embedded:
             settings.ensure_home()
         db = create_db_engine(settings.database)
         store = open_store_from_settings(settings)
         ctx = cls(settings, db, store, canonical, **kwargs)
         if ctx.host_factory is None:
-            config = engine_config(settings, canonical)  # fail now on bad engine args
+            config = engine_config(settings, ctx.checkpoint or ctx.model)  # fail now on bad engine args
             ctx.host_factory = lambda: EngineHost.from_config(config, step_timeout=settings.step_timeout_seconds)
         return ctx
 
@@ -107,7 +112,7 @@ class WorkerContext:
         with self._lock:
             if self._host is None or self._host.pid != os.getpid() or not self._host.alive:
                 assert self.host_factory is not None
-                log.info("loading model %s", self.model)
+                log.info("loading model %s", self.checkpoint or self.model)
                 self._host = self.host_factory()
             return self._host
 
@@ -138,8 +143,9 @@ class WorkerContext:
 
     def describe(self) -> str:
         s = self.settings
+        served = f" (checkpoint {self.checkpoint})" if self.checkpoint else ""
         return (
-            f"model {self.model}; database {redact_url(s.database)}, "
+            f"model {self.model}{served}; database {redact_url(s.database)}, "
             f"broker {redact_url(s.broker)}, storage {redact_url(s.storage)}"
         )
 

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 
 from worker.jobs import object_keys
 from worker.jobs.expired_items import record_expired_items
+from worker.jobs.files import OutputFile, record_output_files
 from worker.jobs.output_files import ShardSource, copy_lines, iter_job_output
 from worker.store.items import refresh_job_counts, summarize_job
 from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
@@ -94,7 +95,9 @@ def finalize_job(
     winning ``claim_finalization`` (or to redo a stalled one); None if the job is not
     being finalised."""
     with db.connect() as conn:
-        job = conn.execute(select(Job.status, Job.finalizing_at, Job.expired_at).where(Job.id == job_id)).one_or_none()
+        job = conn.execute(
+            select(Job.status, Job.finalizing_at, Job.expired_at, Job.owner, Job.input_file_id).where(Job.id == job_id)
+        ).one_or_none()
     if (
         job is None
         or job.finalizing_at is None
@@ -112,13 +115,15 @@ def finalize_job(
     beat = _Heartbeat(db, job_id, heartbeat_seconds)
     with job_store.open_write(object_keys.RESULTS) as out:
         n_results = copy_lines(iter_job_output(source, shards, errors=False), out.write, beat)
+    results = OutputFile(job_store.uri(object_keys.RESULTS), out.bytes_written, n_results)
     with job_store.open_write(object_keys.ERRORS) as out:
         n_errors = copy_lines(iter_job_output(source, shards, errors=True), out.write, beat)
+    errors = OutputFile(job_store.uri(object_keys.ERRORS), out.bytes_written, n_errors)
     t = now()
     values: dict[str, object] = {
         "status": final,
-        "output_uri": job_store.uri(object_keys.RESULTS),
-        "error_uri": job_store.uri(object_keys.ERRORS),
+        "output_uri": results.uri,
+        "error_uri": errors.uri,
         "updated_at": t,
     }
     if final is not JobStatus.expired:  # (an expired job's expired_at is when it expired)
@@ -130,6 +135,8 @@ def finalize_job(
             .values(**values)
             .execution_options(synchronize_session=False)
         ).rowcount
+        if done and job.input_file_id is not None:  # a batch of the HTTP API: its files are Files objects
+            record_output_files(conn, job_id, job.owner, results, errors)
     if done:
         log.info("job %s %s: %d results, %d errors", job_id, final.value, n_results, n_errors)
     return FinalizeResult(job_id, final, n_results, n_errors)

@@ -48,6 +48,17 @@ def canonical_model(model: str) -> str:
     return model
 
 
+def check_served_name(name: str) -> str:
+    """A public model name (``conveyor worker --served-model-name``): a hub-id-like name
+    (``tiny``, ``org/name``: letters, digits, ``.``, ``_``, ``-``), never a path."""
+    if not isinstance(name, str) or not _HUB_ID.match(name) or len(name) > MODEL_LEN:
+        raise InvalidModel(
+            f"served model name {name!r:.80} must be letters, digits, '.', '_' or '-', with at most one '/' "
+            "(like 'llama-3-8b' or 'org/llama-3-8b')"
+        )
+    return name
+
+
 def model_slug(model: str) -> str:
     """A broker-safe name for ``model`` (already canonical)."""
     base = model.rstrip("/")

@@ -30,6 +30,10 @@ def new_job_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
 
+def is_job_id(job_id: object) -> bool:
+    return isinstance(job_id, str) and _JOB_ID.match(job_id) is not None
+
+
 def check_job_id(job_id: str) -> str:
     """``job_id`` unchanged if well-formed (so it can never leave its key prefix)."""
     if not isinstance(job_id, str) or not _JOB_ID.match(job_id):

@@ -204,7 +204,13 @@ class Job(Base):
         def ts(value: float | None) -> int | None:
             return None if value is None else int(value)
 
-        input_file_id = "file-" + self.id.removeprefix("batch_")
+        if self.input_file_id is not None:  # created through the HTTP API: real Files objects
+            input_file_id, output_file_id, error_file_id = self.input_file_id, self.output_file_id, self.error_file_id
+        else:
+            input_file_id = "file-" + self.id.removeprefix("batch_")
+            # Named once written, and only when they hold lines (as OpenAI does).
+            output_file_id = f"{input_file_id}-results" if self.output_uri and self.completed_requests else None
+            error_file_id = f"{input_file_id}-errors" if self.error_uri and self.failed_requests else None
         return {
             "id": self.id,
             "object": "batch",
@@ -213,9 +219,8 @@ class Job(Base):
             "status": JobStatus(self.status).value,
             "completion_window": self.completion_window,
             "input_file_id": input_file_id,
-            # Named once written, and only when they hold lines (as OpenAI does).
-            "output_file_id": f"{input_file_id}-results" if self.output_uri and self.completed_requests else None,
-            "error_file_id": f"{input_file_id}-errors" if self.error_uri and self.failed_requests else None,
+            "output_file_id": output_file_id,
+            "error_file_id": error_file_id,
             "priority": self.priority,
             "input_uri": self.input_uri,
             "output_uri": self.output_uri,

@@ -19,15 +19,16 @@ from sqlalchemy.engine import Engine
 from worker.store.models import Worker, WorkerState, now
 
 
-def register_worker(db: Engine, model: str, queue: str) -> str:
-    """Record this process as a ``starting`` worker of ``model``; returns its registry id."""
+def register_worker(db: Engine, model: str, queue: str, *, checkpoint: str | None = None) -> str:
+    """Record this process as a ``starting`` worker of ``model`` (served from ``checkpoint``
+    when that is another name); returns its registry id."""
     worker_id = uuid.uuid4().hex
     t = now()
     with db.begin() as conn:
         conn.execute(
             insert(Worker).values(
                 id=worker_id, hostname=socket.gethostname()[:256], pid=os.getpid(), model=model,
-                queue=queue, state=WorkerState.starting, started_at=t, heartbeat_at=t,
+                queue=queue, checkpoint=checkpoint, state=WorkerState.starting, started_at=t, heartbeat_at=t,
             )
         )  # fmt: skip
     return worker_id
@@ -65,3 +66,16 @@ def model_service(db: Engine, model: str, live_seconds: float) -> ModelService:
         last = conn.execute(select(func.max(Worker.heartbeat_at)).where(*serving)).scalar_one_or_none()
         live = conn.execute(select(func.count()).select_from(Worker).where(*live_now)).scalar_one()
     return ModelService(model, int(live), None if last is None else float(last))
+
+
+def served_models(db: Engine, live_seconds: float) -> list[tuple[str, float]]:
+    """``(model, since)`` for each model a live worker serves (``ready``, with a heartbeat in
+    the last ``live_seconds``), by name; ``since``: when the longest-running of them started."""
+    stmt = (
+        select(Worker.model, func.min(Worker.started_at))
+        .where(Worker.state == WorkerState.ready, Worker.heartbeat_at >= now() - live_seconds)
+        .group_by(Worker.model)
+        .order_by(Worker.model)
+    )
+    with db.connect() as conn:
+        return [(str(model), float(since)) for model, since in conn.execute(stmt)]

@@ -1,0 +1,71 @@
+"""The HTTP API served by uvicorn on a free port, in a thread of the test process, for the
+``openai`` SDK (or plain httpx) to call over real HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import openai
+import uvicorn
+
+from worker.api.app import create_app
+from worker.core.settings import Settings
+from worker.store.api_keys import create_key
+from worker.store.database import create_db_engine
+from worker.store.schema import ensure_schema
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiServer:
+    def __init__(self, settings: Settings, *, insecure: bool = False) -> None:
+        self.settings = settings
+        self._migrate()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(settings, insecure=insecure)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ApiServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError("the API server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, key: str | None, **kwargs: Any) -> openai.OpenAI:
+        """The official SDK pointed at this server (no retries: a test sees each answer)."""
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60.0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", **kwargs)
+
+    def _migrate(self) -> None:
+        if self.settings.is_embedded:
+            self.settings.ensure_home()
+        db = create_db_engine(self.settings.database)
+        try:
+            ensure_schema(self.settings, db)  # the embedded database is migrated, a server's checked
+        finally:
+            db.dispose()
+
+    def new_key(self, name: str) -> str:
+        db = create_db_engine(self.settings.database)
+        try:
+            return create_key(db, name)[1]
+        finally:
+            db.dispose()

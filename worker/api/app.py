@@ -1,0 +1,68 @@
+"""The HTTP API's ASGI app: ``create_app(settings)`` (what ``conveyor serve`` runs with uvicorn).
+
+It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (each router in
+its own module), ``/healthz`` and ``/readyz``, over the same database, object store and
+broker as the workers (``worker.api.services``). Errors are OpenAI's (``worker.api.errors``).
+While it runs, a background thread deletes uploaded files past their ``expires_at``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from worker.api import health, routes_batches, routes_files, routes_models
+from worker.api.errors import install_error_handlers
+from worker.api.services import ApiServices
+from worker.core.periodic import Periodic
+from worker.core.settings import Settings
+from worker.jobs.files import delete_expired_files
+
+log = logging.getLogger(__name__)
+
+EXPIRED_FILES_INTERVAL_SECONDS = 300.0
+
+
+def create_app(
+    settings: Settings,
+    *,
+    insecure: bool = False,
+    services: ApiServices | None = None,
+    extra_routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """The API app. ``insecure``: no key is asked for (owner ``None``); ``conveyor serve``
+    allows it on a loopback address only. ``extra_routers`` are included after the API's own."""
+    services = services or ApiServices.open(settings, insecure=insecure)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        janitor = Periodic(
+            "conveyor-expired-files",
+            EXPIRED_FILES_INTERVAL_SECONDS,
+            lambda: delete_expired_files(services.db, services.store),
+        ).start()
+        try:
+            yield
+        finally:
+            janitor.stop()
+            services.close()
+
+    app = FastAPI(
+        title="Conveyor",
+        summary="OpenAI-compatible Files and Batches API over Conveyor's workers",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.services = services
+    install_error_handlers(app)
+    for router in (routes_files.router, routes_batches.router, routes_models.router, health.router):
+        app.include_router(router)
+    # Routers and mounts added by other parts of Conveyor go here (e.g. a Prometheus /metrics
+    # app: ``app.mount("/metrics", metrics_app)``), after the API's own.
+    for router in extra_routers:
+        app.include_router(router)
+    return app

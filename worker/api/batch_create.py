@@ -1,0 +1,177 @@
+"""``POST /v1/batches``: a batch from an uploaded file, created without reading the file.
+
+What the upload learnt (``worker.batchio.batch_scan``, kept in the file's ``metadata``)
+decides at once whether the batch can run, each refusal a 400 naming its parameter:
+
+- ``endpoint`` is ``/v1/chat/completions`` or ``/v1/completions``;
+- ``completion_window`` is one Conveyor takes (``24h`` as OpenAI; any whole hours or days
+  from ``1h`` to ``30d`` too);
+- the file (``input_file_id``: 404 if the caller has none of that id) has purpose ``batch``,
+  holds at least one request and no more than ``CONVEYOR_MAX_LINES_PER_JOB``, and is no
+  larger than ``CONVEYOR_MAX_INPUT_BYTES``;
+- its lines name one model in ``body.model`` (as OpenAI requires) and every ``url`` is the
+  batch's ``endpoint``;
+- a live worker serves that model now (``GET /v1/models``): a batch for a model nobody
+  serves would only wait until it expired.
+
+The job is then recorded ``validating`` (``create_job``) and a worker is asked to read the
+file (``enqueue_intake``): lines it rejects one by one (bad JSON, a bad body, a missing
+field) become lines of the batch's errors file, and the rest run. An ``Idempotency-Key``
+header makes a retried request find the batch it created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from worker.api.errors import ApiError, bad_request, not_found, validation_error
+from worker.api.services import ApiServices
+from worker.batchio.batch_scan import BatchScan
+from worker.batchio.request_body import ENDPOINTS
+from worker.broker.queues import enqueue_intake
+from worker.core.limits import completion_window_seconds
+from worker.core.settings import Settings
+from worker.jobs.files import BATCH, FileNotFound, get_file_info
+from worker.jobs.owned_jobs import fail_unqueued
+from worker.jobs.submission import SubmitOptions, check_metadata, create_job
+from worker.store.workers import served_models
+
+MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+
+
+class BatchCreate(BaseModel):
+    """OpenAI's create-batch body (an unknown field is a 400, as OpenAI answers it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str = Field(min_length=1, max_length=128)
+    completion_window: str = Field(min_length=1, max_length=16)
+    metadata: dict[str, str] | None = None
+
+
+async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES) -> bytes:
+    """The request's body, refused with 413 past ``limit`` bytes (never held whole)."""
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"The request body is larger than {limit} bytes.", headers={"Connection": "close"})
+    except ClientDisconnect:
+        raise bad_request("The client went away before the request body was read.") from None
+    return bytes(body)
+
+
+def parse_body(raw: bytes) -> BatchCreate:
+    try:
+        return BatchCreate.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+def batch_model(scan: BatchScan | None, endpoint: str, file_id: str, nbytes: int, settings: Settings) -> str:
+    """The model a batch file names, if it can run as a batch to ``endpoint``; else the 400."""
+    param = "input_file_id"
+    if scan is None or not scan.lines:
+        raise bad_request(f"The input file {file_id} holds no requests.", param=param, code="empty_file")
+    if scan.lines > settings.max_lines_per_job:
+        raise bad_request(
+            f"The input file {file_id} holds {scan.lines} requests; a batch takes at most "
+            f"{settings.max_lines_per_job} (CONVEYOR_MAX_LINES_PER_JOB).",
+            param=param,
+            code="too_many_requests",
+        )
+    if nbytes > settings.max_input_bytes:
+        raise bad_request(
+            f"The input file {file_id} is {nbytes} bytes; a batch's input is at most {settings.max_input_bytes} "
+            "bytes (CONVEYOR_MAX_INPUT_BYTES).",
+            param=param,
+            code="file_too_large",
+        )
+    stray = [url for url in scan.urls if url != endpoint]
+    if stray or scan.more_urls:
+        shown = ", ".join(repr(u[:80]) for u in stray[:3])
+        raise bad_request(
+            f"Lines of the input file ask for url {shown}, not the batch's endpoint {endpoint!r}: a batch's lines "
+            "all go to its endpoint.",
+            param=param,
+            code="mismatched_endpoint",
+        )
+    if len(scan.models) > 1 or scan.more_models:
+        shown = ", ".join(repr(m[:80]) for m in scan.models[:4]) + (", ..." if scan.more_models else "")
+        raise bad_request(
+            f"The input file mixes models ({shown}): a batch runs one model, as OpenAI requires; "
+            "put each model's lines in a file of its own.",
+            param=param,
+            code="mixed_models",
+        )
+    if not scan.models:
+        raise bad_request(
+            f"No line of the input file {file_id} names a model (body.model).", param=param, code="missing_model"
+        )
+    return scan.models[0]
+
+
+def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, idempotency: str | None) -> dict[str, Any]:
+    """Check the request and the file, record the job and have a worker ingest it; the batch
+    object (with all of the job's fields: the route keeps OpenAI's)."""
+    settings, db = services.settings, services.db
+    if req.endpoint not in ENDPOINTS:
+        raise bad_request(
+            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {' and '.join(ENDPOINTS)}.",
+            param="endpoint",
+            code="invalid_value",
+        )
+    try:
+        completion_window_seconds(req.completion_window, settings.min_completion_window_seconds)
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'completion_window': {exc}", param="completion_window") from None
+    try:
+        metadata = check_metadata(req.metadata)
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
+    key = None
+    if idempotency is not None:
+        if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise bad_request(f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters.")
+        key = f"api:{owner or '-'}:{idempotency}"  # one owner's key never finds another's batch
+    try:
+        info = get_file_info(db, req.input_file_id, owner)
+    except FileNotFound:
+        raise not_found(f"No such File object: {req.input_file_id}", param="input_file_id") from None
+    if info.object["purpose"] != BATCH:
+        raise bad_request(
+            f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
+            "'batch'.",
+            param="input_file_id",
+        )
+    model = batch_model(info.batch_scan, req.endpoint, req.input_file_id, info.object["bytes"], settings)
+    served = [name for name, _since in served_models(db, settings.worker_live_seconds)]
+    if model not in served:
+        listed = ", ".join(repr(m) for m in served[:20]) or "none"
+        raise bad_request(
+            f"The model {model!r} is not served by any live worker (served now: {listed}); start one with "
+            f"`conveyor worker --model CHECKPOINT --served-model-name {model}`.",
+            param="model",
+            code="model_not_found",
+        )
+    options = SubmitOptions(model=model, completion_window=req.completion_window)
+    try:
+        batch, created = create_job(
+            db, services.store, settings, info.uri, options, metadata=metadata, owner=owner,
+            input_file_id=req.input_file_id, idempotency_key=key,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    if created:
+        try:
+            enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
+        except Exception as exc:
+            fail_unqueued(db, batch["id"], f"the batch could not be handed to the workers: {type(exc).__name__}")
+            raise ApiError(503, "The server cannot reach its broker right now; try again shortly.") from None
+    return batch
