@@ -30,12 +30,7 @@ INFRA = ROOT / "infra"
 # Commands and flags the infra uses before the CLI has them: command -> flag -> the type of its
 # value (None: a flag without a value). A whole planned command is listed with all its flags.
 PLANNED: dict[str, dict[str, Callable[[str], Any] | None]] = {
-    # The OpenAI-compatible HTTP API (its own issue).
-    "serve": {"--host": str, "--port": int, "--insecure-no-auth": None},
     "worker": {
-        # The metrics server of a worker process (being built beside this).
-        "--metrics-port": int,
-        "--served-model-name": str,
         # The worker half of issue 12.
         "--exit-when-idle": float,
         "--drain-timeout": float,

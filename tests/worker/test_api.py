@@ -14,7 +14,7 @@ from openai.types import Batch, FileObject
 from sqlalchemy import select
 
 from tests.worker.api_server import ApiServer
-from tests.worker.helpers import jsonl, openai_lines, wait_for
+from tests.worker.helpers import jsonl, openai_lines, scrape, wait_for
 from tests.worker.test_faults import SLOW_ENGINE
 from tests.worker.test_openai_compat import check_output_line
 from worker.broker.queues import queue_name
@@ -142,6 +142,17 @@ def test_the_sdk_uploads_creates_polls_and_downloads_a_batch(api_stack, serve, s
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
     assert client.batches.retrieve(batch.id).status == "completed"
+
+    # The server's /metrics (no key: a scraper holds none) reads the job and its shards from
+    # the database, parsed with prometheus_client's own parser.
+    metrics = scrape(server.port)
+    assert metrics.status == 200
+    assert metrics.value("conveyor_jobs", status="completed") == 1
+    assert metrics.value("conveyor_jobs", status="in_progress") == 0
+    assert metrics.value("conveyor_shards_waiting", model=MODEL) == 0
+    assert metrics.value("conveyor_shards_in_flight", model=MODEL) == 0
+    assert metrics.value("conveyor_workers_live", model=MODEL) == 1
+    assert metrics.value("conveyor_metrics_database_up") == 1
 
 
 def test_cancel_mid_way_keeps_the_finished_results(embedded_stack, serve, spawn_worker) -> None:

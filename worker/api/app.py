@@ -1,7 +1,7 @@
 """The HTTP API's ASGI app: ``create_app(settings)`` (what ``conveyor serve`` runs with uvicorn).
 
 It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (each router in
-its own module), ``/healthz`` and ``/readyz``, over the same database, object store and
+its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
 broker as the workers (``worker.api.services``). Errors are OpenAI's (``worker.api.errors``).
 While it runs, a background thread deletes uploaded files past their ``expires_at``.
 """
@@ -16,10 +16,12 @@ from fastapi import APIRouter, FastAPI
 
 from worker.api import health, routes_batches, routes_files, routes_models
 from worker.api.errors import install_error_handlers
+from worker.api.metrics_route import metrics_router
 from worker.api.services import ApiServices
 from worker.core.periodic import Periodic
 from worker.core.settings import Settings
 from worker.jobs.files import delete_expired_files
+from worker.metrics.exposition import ApiMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ def create_app(
     """The API app. ``insecure``: no key is asked for (owner ``None``); ``conveyor serve``
     allows it on a loopback address only. ``extra_routers`` are included after the API's own."""
     services = services or ApiServices.open(settings, insecure=insecure)
+    metrics = ApiMetrics(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,6 +51,7 @@ def create_app(
             yield
         finally:
             janitor.stop()
+            metrics.close()
             services.close()
 
     app = FastAPI(
@@ -61,8 +65,7 @@ def create_app(
     install_error_handlers(app)
     for router in (routes_files.router, routes_batches.router, routes_models.router, health.router):
         app.include_router(router)
-    # Routers and mounts added by other parts of Conveyor go here (e.g. a Prometheus /metrics
-    # app: ``app.mount("/metrics", metrics_app)``), after the API's own.
+    app.include_router(metrics_router(metrics))
     for router in extra_routers:
         app.include_router(router)
     return app
