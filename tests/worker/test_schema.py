@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+from tests.worker.helpers import REPO
 from worker.store.database import create_db_engine
 from worker.store.models import Base
 from worker.store.schema import SchemaError, check_schema, current_revision, head_revision, upgrade_database
@@ -82,5 +87,26 @@ def test_upgrading_keeps_old_jobs_valid_batch_objects(db_url: str) -> None:
         with engine.connect() as conn:
             row = conn.execute(text("SELECT completion_window, expires_at, endpoint FROM jobs")).one()
         assert tuple(row) == ("24h", 1000.5 + 86400, "/v1/chat/completions")
+    finally:
+        engine.dispose()
+
+
+def test_processes_starting_at_once_on_a_fresh_home_migrate_it_once(tmp_path) -> None:
+    """A worker and a submit started together on the embedded defaults both migrate the new
+    SQLite file: one at a time, so neither trips over the other's tables."""
+    home = tmp_path / "home"
+    start = time.time() + 8  # all four imported by then: they migrate at the same moment
+    code = (
+        "import time; from worker.core.settings import Settings; from worker.entrypoints.client import Client\n"
+        f"time.sleep(max(0.0, {start} - time.time())); Client(Settings(home={str(home)!r})).db"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], errors
+    engine = create_db_engine(f"sqlite:///{home / 'conveyor.db'}")
+    try:
+        assert check_schema(engine) == head_revision()
     finally:
         engine.dispose()

@@ -6,6 +6,8 @@ what a worker runs at start, refusing an outdated schema with a message saying w
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -95,5 +97,26 @@ def ensure_schema(settings: Settings, engine: Engine) -> str:
     it; any other database is only checked (``conveyor db upgrade`` migrates it), never
     migrated behind its operator's back. Returns the revision it is at."""
     if settings.database_url is None:
-        return upgrade_database(engine.url)
+        # Two processes starting at once (a worker and a submit) would both create the tables
+        # (SQLite runs DDL outside a transaction): one migrates at a time, the other then finds
+        # the schema at head.
+        with _migration_lock(settings.ensure_home() / "schema.lock"):
+            return upgrade_database(engine.url)
     return check_schema(engine)
+
+
+@contextlib.contextmanager
+def _migration_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across the processes of this machine (POSIX ``flock``;
+    where there is none, no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: nothing to lock with
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
