@@ -1,10 +1,8 @@
 """What the infra files may say about the ``conveyor`` CLI, the settings and the package, and the
 helpers the infra tests share to check it.
 
-The CLI is checked against the real parser (``worker.entrypoints.cli.build_parser``). What the
-infra already uses but the CLI does not have yet is listed once, in ``PLANNED``: each entry
-lands with other work (the HTTP API's ``serve``, the metrics server's ``--metrics-port``, the
-worker half of issue 12), and as soon as the parser has it, the real parser checks it instead.
+Every command line the infra holds is checked against the real parser
+(``worker.entrypoints.cli.build_parser``).
 """
 
 from __future__ import annotations
@@ -27,18 +25,7 @@ else:  # pytest brings tomli on Python 3.10
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 
-# Commands and flags the infra uses before the CLI has them: command -> flag -> the type of its
-# value (None: a flag without a value). A whole planned command is listed with all its flags.
-PLANNED: dict[str, dict[str, Callable[[str], Any] | None]] = {
-    "worker": {
-        # The worker half of issue 12.
-        "--exit-when-idle": float,
-        "--drain-timeout": float,
-    },
-}
-
 # What each long-running command serves over HTTP: the flag that sets its port, and its paths.
-# The worker's /healthz and /readyz (on its metrics port) land with the worker half of issue 12.
 SERVED: dict[str, tuple[str, frozenset[str]]] = {
     "serve": ("--port", frozenset({"/healthz", "/readyz", "/metrics"})),
     "worker": ("--metrics-port", frozenset({"/metrics", "/healthz", "/readyz"})),
@@ -54,7 +41,6 @@ class Invocation:
     command: str
     argv: list[str]
     options: dict[str, str | None] = field(default_factory=dict)
-    planned: list[str] = field(default_factory=list)
 
     def value(self, flag: str) -> str:
         value = self.options.get(flag)
@@ -105,61 +91,22 @@ def _split(argv: Sequence[str], takes_value: Callable[[str], bool | None]) -> tu
 
 
 def check_invocation(argv: Sequence[str]) -> Invocation:
-    """``argv`` (what follows ``conveyor``) must be a command line the CLI accepts, or accepts
-    once the ``PLANNED`` flags land: the real parser parses what it knows, and each planned
-    flag's value must convert to its planned type."""
+    """``argv`` (what follows ``conveyor``) must be a command line the real CLI parser accepts."""
     argv = [str(a) for a in argv]
     assert argv, "an empty conveyor command line"
     parser = build_parser()
     commands = _subcommands(parser)
     command = argv[0]
-    planned = PLANNED.get(command, {})
-    if command not in commands:
-        assert command in PLANNED, f"`conveyor {command}` is not a command (nor a planned one)"
-        options, positionals = _split(argv[1:], lambda name: (planned[name] is not None) if name in planned else None)
-        assert not positionals, f"`conveyor {' '.join(argv)}`: unexpected {positionals}"
-        for flag, value in options.items():
-            convert = planned.get(flag)
-            assert flag in planned, f"`conveyor {command}` has no flag {flag} (planned: {sorted(planned)})"
-            if convert is not None:
-                convert(value or "")
-        return Invocation(command, argv, options, planned=sorted(options))
-
-    sub = commands[command]
-    known = sub._option_string_actions
-
-    def takes_value(name: str) -> bool | None:
-        if name in known:
-            return known[name].nargs != 0
-        if name in planned:
-            return planned[name] is not None
-        return None
-
-    options, _ = _split(argv[1:], takes_value)
-    kept: list[str] = [command]
-    skipped: list[str] = []
-    i = 1
-    while i < len(argv):
-        token = argv[i]
-        name = token.partition("=")[0]
-        if token.startswith("--") and name not in known:
-            assert name in planned, f"`conveyor {command}` has no flag {name} (nor a planned one)"
-            convert = planned[name]
-            value = options[name]
-            if convert is not None:
-                convert(value or "")
-            skipped.append(name)
-            i += 2 if (convert is not None and "=" not in token) else 1
-            continue
-        kept.append(token)
-        i += 1
+    assert command in commands, f"`conveyor {command}` is not a command"
+    known = commands[command]._option_string_actions
+    options, _ = _split(argv[1:], lambda name: known[name].nargs != 0 if name in known else None)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parser.parse_args(kept)
+            parser.parse_args(argv)
     except SystemExit as exc:
         raise AssertionError(f"`conveyor {' '.join(argv)}` does not parse: {err.getvalue().strip()}") from exc
-    return Invocation(command, argv, options, planned=skipped)
+    return Invocation(command, argv, options)
 
 
 def settings_variables() -> set[str]:

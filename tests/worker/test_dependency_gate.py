@@ -113,3 +113,33 @@ def test_the_gate_passes_other_errors_through_and_gives_up_after_its_patience() 
     with pytest.raises(DependencyUnavailable):  # still down: a new caller waits its own patience
         gate.call(storage.check, what="work", patience=0.5)
     gate.close()
+
+
+def test_a_stopping_worker_gives_up_waiting_for_a_dependency_at_once() -> None:
+    """``give_up`` (the worker is draining) ends a wait long before its patience, with the
+    reason; while the dependency is up, ``give_up`` changes nothing."""
+    storage = _Flaky()
+    gate = DependencyGate({STORAGE: storage.check}, backoff_max=0.2)
+    stopping = threading.Event()
+    outcome: list[BaseException] = []
+
+    def wait_for_storage() -> None:
+        try:
+            gate.call(storage.check, what="shard x/0", patience=600, give_up=stopping.is_set)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait_for_storage)
+    waiter.start()
+    time.sleep(0.5)
+    assert outcome == [] and gate.down() == [STORAGE]
+    started = time.monotonic()
+    stopping.set()
+    waiter.join(5)
+    assert time.monotonic() - started < 2
+    assert len(outcome) == 1 and isinstance(outcome[0], DependencyUnavailable)
+    assert "the worker is stopping" in str(outcome[0]) and outcome[0].dependency == STORAGE
+    storage.up.set()
+    assert gate.wait(timeout=5)
+    assert gate.call(lambda: "done", what="shard x/1", patience=600, give_up=stopping.is_set) == "done"
+    gate.close()

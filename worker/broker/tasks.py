@@ -15,6 +15,11 @@ envelope is rejected and logged, instead of stopping the worker.
 A task that ends a job (its last shard, a finalisation, an intake that failed) announces
 the end at once when the job names a reply target (``worker.broker.announce``).
 
+A worker that is stopping (SIGTERM, ``--exit-when-idle``: ``ProcessState``) hands a shard or
+an intake back to the broker instead of starting it, and a shard it had to interrupt goes
+back the same way (its lease released: another worker resumes it at once). Every task marks
+the process busy while it runs, which is what ``--exit-when-idle`` measures.
+
 A database or storage outage never acknowledges a message unprocessed: the task waits for
 the dependency (the context's ``DependencyGate``) and then does its work; after
 ``CONVEYOR_DEPENDENCY_RETRY_SECONDS`` of outage it rejects the message back onto the queue,
@@ -23,7 +28,9 @@ to be delivered again, instead of raising (Celery would log it and ack it: the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Celery
@@ -42,6 +49,7 @@ from worker.broker.queues import (
     queue_name,
 )
 from worker.broker.submissions import handle_submission
+from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.shard_runner import RetryShard, run_shard
 from worker.jobs import object_keys
@@ -69,6 +77,24 @@ def register_tasks(app: Celery) -> None:
         ctx = state.context()
         Announcer(app, ctx.db, ctx.settings).announce(job_id)
 
+    @contextlib.contextmanager
+    def busy() -> Iterator[WorkerContext]:
+        ctx = state.context()
+        ctx.state.task_started()
+        try:
+            yield ctx
+        finally:
+            ctx.state.task_finished()
+
+    def hand_back(what: str, send: Callable[[], None]) -> None:
+        """Put a message back on its queue, for another worker, as a new message (this one
+        is then acknowledged): a quiet log, unlike a rejection's traceback."""
+        try:
+            send()
+        except Exception as exc:  # the broker is not taking messages: it keeps this one instead
+            raise Reject(f"{what}: the worker is stopping and could not re-send it ({exc})", requeue=True) from None
+        log.info("%s: sent back to the queue for another worker (this one is stopping)", what)
+
     common: dict[str, Any] = {
         "bind": True, "shared": False, "acks_late": True, "reject_on_worker_lost": True, "Request": CHECKED_REQUEST,
     }  # fmt: skip
@@ -76,9 +102,12 @@ def register_tasks(app: Celery) -> None:
     @app.task(name=RUN_SHARD, max_retries=None, **common)
     def run_shard_task(self: Any, job_id: str, shard_index: int) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
-        ctx = state.context()
+        with busy() as ctx:
+            return _run_shard(self, ctx, job_id, _shard_index(shard_index))
+
+    def _run_shard(self: Any, ctx: WorkerContext, job_id: str, shard_index: int) -> dict[str, Any]:
         try:
-            outcome = run_shard(ctx, job_id, _shard_index(shard_index))
+            outcome = run_shard(ctx, job_id, shard_index)
         except RetryShard as exc:
             countdown = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
             log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, countdown, exc)
@@ -88,6 +117,9 @@ def register_tasks(app: Celery) -> None:
             raise Reject(str(exc), requeue=True) from None
         reason = f" [{outcome.reason}]" if outcome.reason else ""
         log.info("shard %s/%d: %s (%d items)%s", job_id, shard_index, outcome.status, outcome.items, reason)
+        if outcome.status == "handed_back":
+            queue = queue_name(ctx.model, ctx.settings.queue_prefix)
+            hand_back(f"shard {job_id}/{shard_index}", lambda: enqueue_shards(app, queue, job_id, [shard_index]))
         if outcome.finalized:
             announce(job_id)
         return outcome.as_dict()
@@ -95,7 +127,10 @@ def register_tasks(app: Celery) -> None:
     @app.task(name=FINALIZE_JOB, **common)
     def finalize_job_task(self: Any, job_id: str, redo: bool = False) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
-        ctx = state.context()
+        with busy() as ctx:
+            return _finalize(ctx, job_id, redo)
+
+    def _finalize(ctx: WorkerContext, job_id: str, redo: bool) -> dict[str, Any]:
         hb = ctx.settings.heartbeat_seconds
 
         def finalize() -> FinalizeResult | None:
@@ -104,7 +139,10 @@ def register_tasks(app: Celery) -> None:
 
         try:
             result = ctx.gate.call(
-                finalize, what=f"finalising job {job_id}", patience=ctx.settings.dependency_retry_seconds
+                finalize,
+                what=f"finalising job {job_id}",
+                patience=ctx.settings.dependency_retry_seconds,
+                give_up=ctx.state.hand_back_due,
             )
         except DependencyUnavailable as exc:
             log.warning("%s; handing the message back to the broker", exc)
@@ -116,7 +154,13 @@ def register_tasks(app: Celery) -> None:
     @app.task(name=INGEST_JOB, **common)
     def ingest_job_task(self: Any, job_id: str) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
-        ctx = state.context()
+        with busy() as ctx:
+            if ctx.state.draining:
+                hand_back(f"the intake of job {job_id}", lambda: enqueue_intake(app, job_id, ctx.settings.queue_prefix))
+                return {"job_id": job_id, "status": None}
+            return _ingest(ctx, job_id)
+
+    def _ingest(ctx: WorkerContext, job_id: str) -> dict[str, Any]:
         prefix = ctx.settings.queue_prefix
 
         def send(job_id: str, indices: Any) -> None:
@@ -127,6 +171,7 @@ def register_tasks(app: Celery) -> None:
                 lambda: ingest_job(ctx.db, ctx.store, ctx.settings, job_id, enqueue=send),
                 what=f"ingesting job {job_id}",
                 patience=ctx.settings.dependency_retry_seconds,
+                give_up=ctx.state.hand_back_due,
             )
         except DependencyUnavailable as exc:
             log.warning("%s; handing the message back to the broker", exc)
@@ -141,8 +186,10 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(name=SUBMIT_JOB, **common)
     def submit_job_task(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        ctx = state.context()
+        with busy() as ctx:
+            return _submit(self, ctx, args, kwargs)
 
+    def _submit(self: Any, ctx: WorkerContext, args: Any, kwargs: Any) -> dict[str, Any]:
         def intake(job_id: str) -> None:
             try:
                 enqueue_intake(app, job_id, ctx.settings.queue_prefix)
@@ -159,6 +206,7 @@ def register_tasks(app: Celery) -> None:
                 ),
                 what="taking a submission",
                 patience=ctx.settings.dependency_retry_seconds,
+                give_up=ctx.state.hand_back_due,
             )  # fmt: skip
         except (DependencyUnavailable, _IntakeNotSent) as exc:
             log.warning("%s; handing the submission back to the broker", exc)

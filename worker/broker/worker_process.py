@@ -1,15 +1,22 @@
 """A worker process's life around the Celery consumer (Celery's signals, for Conveyor apps).
 
-- ``worker_init``: refuse to start on a bad configuration or an outdated database schema
-  (the message says what to run), record the worker in the registry (``starting``), start
-  the ``/metrics`` server when ``CONVEYOR_METRICS_PORT`` is set, then load the model
+- ``worker_init``: start the ``/metrics``, ``/healthz`` and ``/readyz`` server when
+  ``CONVEYOR_METRICS_PORT`` is set (so probes get answers from the start), refuse to start
+  on a bad configuration or an outdated database schema (the message says what to run),
+  record the worker in the registry (``starting``), then load the model
   (threads/solo pools: once, before consuming; a prefork child loads its own on first use).
   A model that cannot load exits 1 before any message is taken, recorded ``failed`` with
   the reason, so nothing counts it as serving the model.
 - ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
   the expiry (jobs of any model past their completion window), the announcements (jobs of
   any model whose end is still to be announced on the broker: ``worker.broker.announce``)
-  and the engine-snapshot threads.
+  and the engine-snapshot threads, and with ``--exit-when-idle`` the idle watch. ``/readyz``
+  answers 200 from here on (``WorkerContext.readiness``).
+- ``worker_shutting_down`` (SIGTERM or Ctrl-C: Celery's warm shutdown, which stops consuming
+  and waits for running tasks): the process starts draining (``ProcessState.begin_drain``):
+  running shards finish until the hand-back time, then give back what is left (their
+  leases released) so the tasks end within ``--drain-timeout``, and Celery exits 0. The
+  idle watch ends an idle worker the same way, by sending the process SIGTERM.
 - ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``.
 
 And one consumer bootstep, ``BrokerReconnected``: each time the consumer connects to the
@@ -19,6 +26,8 @@ broker again after losing it, the sweeper runs at once (``AppState.broker_reconn
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -30,6 +39,7 @@ from worker.broker.app_state import AppState, app_state
 from worker.broker.queues import enqueue_finalize, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
 from worker.core.settings import ConfigError
+from worker.execution.process_state import Phase
 from worker.execution.snapshots import SnapshotWriter
 from worker.jobs.expiry import expire_due_jobs
 from worker.jobs.sweeper import Sweeper
@@ -42,6 +52,9 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _connected = False
+# The Conveyor app state of the worker this process runs (one per process): Celery's
+# ``worker_shutting_down`` names the worker by hostname only.
+_running: AppState | None = None
 
 
 def start_background(app: Celery, state: AppState) -> list[Periodic]:
@@ -76,7 +89,26 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         Periodic("conveyor-expiry", s.sweep_interval_seconds, expire).start(),
         Periodic("conveyor-announcements", s.sweep_interval_seconds, announcer.announce_due).start(),
     ]
+    idle = s.exit_when_idle_seconds
+    if idle is not None:
+        state.background.append(Periodic("conveyor-idle", min(1.0, idle / 4), _IdleWatch(state, idle)).start())
     return state.background
+
+
+class _IdleWatch:
+    """With ``--exit-when-idle``: once no task has run for ``seconds``, stop the worker the way
+    Kubernetes would (SIGTERM: a drain with nothing to drain, then exit 0)."""
+
+    def __init__(self, state: AppState, seconds: float) -> None:
+        self._state, self._seconds, self._sent = state, seconds, False
+
+    def __call__(self) -> None:
+        process = self._state.context().state
+        if self._sent or process.draining or process.idle_seconds() < self._seconds:
+            return
+        self._sent = True
+        log.info("conveyor worker: no task for %.0f s (--exit-when-idle): stopping", self._seconds)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class BrokerReconnected(bootsteps.StartStopStep):
@@ -101,15 +133,18 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     state = app_state(app)
     if app is None or state is None:
         return
+    global _running
+    _running = state
     try:
         ctx = state.context()
+        pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)
+        if ctx.settings.metrics_port:
+            _serve_metrics(state, pool)
         revision = ensure_schema(ctx.settings, ctx.db)
         state.registry_id = register_worker(ctx.db, ctx.model, state.queue, checkpoint=ctx.checkpoint)
         ctx.store.check()  # a worker that cannot store results must not take shards
         log.info("conveyor worker: %s on queue %s; schema %s", ctx.describe(), state.queue, revision)
-        pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)
-        if ctx.settings.metrics_port:
-            _serve_metrics(state, pool)
+        ctx.state.advance(Phase.loading)
         if "thread" in pool or "solo" in pool:
             ctx.host()
     except Exception as exc:
@@ -148,6 +183,8 @@ def _record_failure(state: AppState, reason: str) -> None:
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     state = app_state(app)
+    if state is not None:
+        state.context().state.advance(Phase.ready)
     if state is not None and not state.background:
         start_background(app, state)
     if state is not None and state.metrics is not None:  # said here: worker_init logs before logging is set up
@@ -155,10 +192,30 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         log.info("conveyor worker: metrics at http://%s:%s/metrics", s.metrics_host, state.metrics.port)
 
 
+def _on_worker_shutting_down(sig: Any = None, how: Any = None, **_: Any) -> None:
+    """Celery got a stop signal (in its signal handler, on the main thread). A warm shutdown
+    waits for running tasks: bound that wait by draining. (A cold one exits at once; its
+    leases expire and the shards are taken over as after a crash.)"""
+    state = _running
+    if state is None or how != "Warm":
+        return
+    ctx = state.context()
+    if ctx.state.draining:  # Celery may say so more than once
+        return
+    timeout = ctx.settings.drain_timeout_seconds
+    drain = ctx.state.begin_drain(timeout, reason=str(sig))
+    log.warning(
+        "conveyor worker: stopping (%s): taking no new shard; running shards hand back what is left "
+        "in %.0f s; exiting within %.0f s (--drain-timeout)",
+        sig, drain.hand_back_at - drain.started_at, timeout,
+    )  # fmt: skip
+
+
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
     state = app_state(getattr(sender, "app", None))
     if state is None:
         return
+    state.context().state.advance(Phase.stopped)
     for thread in state.background:  # the registry heartbeat must not beat after `stopped`
         thread.stop()
     if state.registry_id is not None:
@@ -177,5 +234,6 @@ def connect_signals() -> None:
             return
         signals.worker_init.connect(_on_worker_init, weak=False)
         signals.worker_ready.connect(_on_worker_ready, weak=False)
+        signals.worker_shutting_down.connect(_on_worker_shutting_down, weak=False)
         signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
         _connected = True

@@ -163,6 +163,15 @@ class Settings(BaseSettings):
     metrics_host: str = "0.0.0.0"
     metrics_cache_seconds: float = Field(5.0, ge=0)
 
+    # Stopping (serverless): on SIGTERM a worker takes no new shard, lets what runs finish for
+    # up to ``drain_timeout_seconds``, then hands back what is left (its leases released at
+    # once, so another worker resumes the shard now, not after a lease period) and exits 0.
+    # Kubernetes' default grace period is 30 s: the default drains within it.
+    drain_timeout_seconds: float = Field(25.0, gt=0, le=86_400)
+    # Run to completion (a KEDA ScaledJob): with no task for this long, the worker drains and
+    # exits 0. None: it waits for work forever.
+    exit_when_idle_seconds: float | None = Field(None, gt=0)
+
     log_level: str = "INFO"
 
     @field_validator("queue_prefix")

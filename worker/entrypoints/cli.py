@@ -236,6 +236,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = load_settings(
         worker_concurrency=args.concurrency, model=canonical_model(model),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
+        drain_timeout_seconds=args.drain_timeout, exit_when_idle_seconds=args.exit_when_idle,
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -463,6 +464,16 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 # ---- parser -----------------------------------------------------------------------------
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -543,6 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
         "CONVEYOR_METRICS_PORT; 0: none)",
     )  # fmt: skip
     worker.add_argument("--metrics-host", help="the metrics server's address (default CONVEYOR_METRICS_HOST, 0.0.0.0)")
+    worker.add_argument(
+        "--drain-timeout", type=_seconds, metavar="SECONDS",
+        help="on SIGTERM, let running shards finish for up to this long, then hand back what is left and exit 0 "
+        "(default CONVEYOR_DRAIN_TIMEOUT_SECONDS, 25)",
+    )  # fmt: skip
+    worker.add_argument(
+        "--exit-when-idle", type=_seconds, metavar="SECONDS",
+        help="drain and exit 0 once no task has come for this long (run-to-completion workers, e.g. a KEDA "
+        "ScaledJob; default CONVEYOR_EXIT_WHEN_IDLE_SECONDS: never)",
+    )  # fmt: skip
     worker.set_defaults(fn=cmd_worker)
 
     jobs = sub.add_parser("jobs", help="list jobs, newest first")

@@ -25,6 +25,7 @@ from engine import EngineConfig
 from worker.core.settings import ConfigError, Settings, redact_url
 from worker.execution.dependency_gate import DependencyGate
 from worker.execution.engine_host import EngineHost, HostStats
+from worker.execution.process_state import Phase, ProcessState
 from worker.jobs import object_keys
 from worker.jobs.model_names import canonical_model, check_served_name
 from worker.store.database import create_db_engine
@@ -72,6 +73,7 @@ class WorkerContext:
     on_items: Callable[[int], None] | None = None  # progress: items newly stored
     item_listeners: list[ItemListener] = field(default_factory=list, repr=False)
     gate: DependencyGate = field(init=False, repr=False)
+    state: ProcessState = field(default_factory=ProcessState, repr=False)
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _host: EngineHost | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -124,6 +126,25 @@ class WorkerContext:
         """The engine host's latest stats; None before the model is loaded (this never loads it)."""
         host = self._host
         return host.stats() if host is not None else None
+
+    def liveness(self) -> tuple[bool, dict[str, Any]]:
+        """Alive unless the engine loop thread died (a hung step already exits the process)."""
+        host = self._host
+        if host is not None and host.pid == os.getpid() and not host.alive:
+            return False, {"status": "engine loop thread died"}
+        return True, {"status": "alive", "phase": self.state.phase.value}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready to take shards: schema and store checked, model loaded, consuming, not
+        draining, and no dependency down."""
+        phase = self.state.phase
+        detail: dict[str, Any] = {"phase": phase.value, "model": self.model, "model_loaded": self.host_started}
+        down = self.gate.down()
+        if down:
+            detail["down"] = down
+        ok = phase is Phase.ready and self.host_started and not down
+        detail["status"] = "ready" if ok else "not ready"
+        return ok, detail
 
     def items_stored(self, records: Sequence[ItemRecord]) -> None:
         """Tell ``on_items`` and each item listener that ``records`` were newly stored. A

@@ -97,21 +97,39 @@ class DependencyGate:
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
             return True
 
-    def call(self, fn: Callable[[], T], *, what: str, patience: float, stop: Callable[[], bool] | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str,
+        patience: float,
+        stop: Callable[[], bool] | None = None,
+        give_up: Callable[[], bool] | None = None,
+    ) -> T:
         """``fn()`` once the gate is open; on a dependency fault, wait for the dependency
         and call it again. ``fn`` must be safe to call again after a fault half-way. After
         ``patience`` seconds of waiting for a dependency: ``DependencyUnavailable``.
-        ``stop()`` ends a wait early and ``fn`` runs at once (to notice why: a lost lease)."""
+        ``stop()`` ends a wait early and ``fn`` runs at once (to notice why: a lost lease);
+        ``give_up()`` ends it with ``DependencyUnavailable`` (the worker is stopping)."""
         deadline: float | None = None
         pause = FIRST_PAUSE
+
+        def stopping() -> bool:
+            return (stop is not None and stop()) or (give_up is not None and give_up())
+
+        def check_give_up(dependency: str) -> None:
+            if give_up is not None and give_up():
+                raise DependencyUnavailable(dependency, f"{what}: {dependency} down and the worker is stopping")
+
         while True:
             if self.down():
                 if deadline is None:
                     deadline = time.monotonic() + patience
-                opened = self.wait(max(0.0, deadline - time.monotonic()), stop)
-                if not opened and not (stop is not None and stop()):
+                if not self.wait(max(0.0, deadline - time.monotonic()), stopping):
                     down = ", ".join(self.down()) or "a dependency"
-                    raise DependencyUnavailable(down, f"{what}: {down} still down after {patience:.0f} s")
+                    check_give_up(down)
+                    if not (stop is not None and stop()):
+                        raise DependencyUnavailable(down, f"{what}: {down} still down after {patience:.0f} s")
             try:
                 return fn()
             except DependencyUnavailable:
@@ -122,6 +140,7 @@ class DependencyGate:
                     raise
                 if deadline is None:
                     deadline = time.monotonic() + patience
+                check_give_up(dependency)
                 if time.monotonic() >= deadline:
                     raise DependencyUnavailable(
                         dependency, f"{what}: {dependency} still down after {patience:.0f} s: {_summary(exc)}"

@@ -27,6 +27,12 @@ Three kinds of trouble, three answers, and only the second is ever the items' fa
   kills its worker soon runs alone. Only deaths while it ran alone count against an item
   (``store/crashes.py``); at ``item_max_crashes`` it alone becomes a ``worker_crashed``
   error and the rest of the shard completes.
+
+A worker that is stopping (``ProcessState``: SIGTERM, or ``--exit-when-idle``) takes no new
+shard, and at its hand-back time a running shard aborts what is still in the engine, stores
+what finished and releases its lease as ``pending``, counting nothing: another worker takes
+it over at once and runs only what was not stored (outcome ``handed_back``: the task puts its
+message back on the queue).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from sqlalchemy import select
 from worker.batchio.records import ParsedRequest
 from worker.core.periodic import Periodic
 from worker.execution.context import WorkerContext
+from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import Completion, RequestHandle
 from worker.execution.item_records import (
     ItemContext,
@@ -70,6 +77,11 @@ T = TypeVar("T")
 
 STOPPING = (JobStatus.cancelling, JobStatus.cancelled, JobStatus.failed, JobStatus.expired)
 DRAIN_SECONDS = 30.0  # how long a cancelled shard waits for its aborted items to come back
+HAND_BACK_WAIT_SECONDS = 2.0  # how long a shard handed back waits for its aborted items
+
+
+class HandBack(Exception):
+    """The worker is stopping: give the shard back, keeping what finished."""
 
 
 class RetryShard(Exception):
@@ -85,7 +97,7 @@ class RetryShard(Exception):
 class ShardOutcome:
     job_id: str
     shard_index: int
-    status: str  # completed | cancelled | failed | skipped | lease_lost
+    status: str  # completed | cancelled | failed | skipped | lease_lost | handed_back
     items: int = 0  # items newly stored by this run
     finalized: bool = False
     reason: str = ""
@@ -170,6 +182,7 @@ class ShardRunner:
         self.name = f"shard {job_id}/{shard_index}"
         self._handles: dict[str, RequestHandle] = {}
         self._cancelled = False  # the job was cancelled: aborted items are not results
+        self._handing_back = False  # the worker is stopping: aborted items are not results either
         self._buffer = _ItemBuffer(ctx)  # kept across retries: finished items survive an outage
         self._item_ctx = ItemContext(job_id, ctx.model, shard_index, ctx.worker_id)
         self._flush_after = 0.0
@@ -188,8 +201,10 @@ class ShardRunner:
         back: handing back work in progress would only have it redone, and a lease that could
         not be released would wait out its expiry and a sweep. (When jobs get an expiry,
         that is where both waits end.)"""
+        state = self.ctx.state
         patience = math.inf if holding else self.ctx.settings.dependency_retry_seconds
-        return self.ctx.gate.call(fn, what=self.name, patience=patience, stop=stop)
+        give_up = state.hand_back_due if holding else lambda: state.draining
+        return self.ctx.gate.call(fn, what=self.name, patience=patience, stop=stop, give_up=give_up)
 
     # ---- entry point ------------------------------------------------------------------
 
@@ -211,10 +226,13 @@ class ShardRunner:
                 "shard %s/%d is for model %s but this worker serves %s", self.job_id, self.index, job.model, ctx.model
             )
             return self._outcome("skipped", reason=f"job is for model {job.model}")
+        if ctx.state.draining:
+            return self._outcome("handed_back", reason="the worker is stopping")
         if not acquire_lease(ctx.db, self.job_id, self.index, self.owner, ctx.settings.lease_seconds):
             return self._after_skip()
         shard = self._shard()
         failure: Exception | None = None
+        handed_back = False
         with LeaseKeeper(ctx, self.job_id, self.index, self.owner) as keeper:
             try:
                 status = self._call(
@@ -224,12 +242,30 @@ class ShardRunner:
                 self._abort_all()
                 log.warning("%s; leaving the shard to its new owner", exc)
                 return self._outcome("lease_lost", self._buffer.stored, str(exc))
+            except HandBack:
+                self._abort_all()
+                handed_back = True
+            except DependencyUnavailable:
+                self._abort_all()  # stopping while a dependency is down: the lease expires instead
+                raise
             except Exception as exc:
                 self._abort_all()
                 failure = exc
+        if handed_back:
+            return self._hand_back()
         if failure is not None:
             return self._failed_attempt(failure, shard)
         return self._call(lambda: self._release(status), holding=True)
+
+    def _hand_back(self) -> ShardOutcome:
+        """Release the lease as ``pending`` (nothing counted) so another worker resumes now."""
+        released = self._call(
+            lambda: release_lease(self.ctx.db, self.job_id, self.index, self.owner, ShardStatus.pending),
+            holding=True,
+        )
+        log.info("%s: handed back (the worker is stopping); %d items stored by it", self.name, self._buffer.stored)
+        reason = "the worker is stopping" if released else "the worker is stopping (the lease was gone)"
+        return self._outcome("handed_back", self._buffer.stored, reason)
 
     def _shard(self) -> Shard:
         with make_sessionmaker(self.ctx.db)() as session:
@@ -310,6 +346,8 @@ class ShardRunner:
         )  # fmt: skip
         for start in range(0, len(suspects), size):
             group = suspects[start : start + size]
+            if self.ctx.state.draining:  # a suspect group may kill its worker: leave it to one that stays
+                raise HandBack()
             if not self._enter_quarantine(keeper):
                 return True
             try:
@@ -325,6 +363,8 @@ class ShardRunner:
         """Wait for the process's quarantine lane; False if the job was cancelled meanwhile."""
         next_poll = time.monotonic() + self.ctx.settings.cancel_poll_seconds
         while not self.ctx.quarantine.acquire(timeout=0.2):
+            if self.ctx.state.hand_back_due():
+                raise HandBack()
             if keeper.lost.is_set():
                 raise LeaseLost(f"lease on shard {self.index} of job {self.job_id} was lost")
             if time.monotonic() >= next_poll:
@@ -379,10 +419,18 @@ class ShardRunner:
                     self._cancelled = True
                     self._abort_all()
                     drain_deadline = time.monotonic() + DRAIN_SECONDS
+            if not self._handing_back and not self._cancelled and ctx.state.hand_back_due():
+                log.info("%s: the worker is stopping: aborting its %d running items", self.name, len(self._handles))
+                self._handing_back = True
+                for handle in self._handles.values():  # kept: those that finished first still come back
+                    host.abort(handle)
+                drain_deadline = time.monotonic() + HAND_BACK_WAIT_SECONDS
             if drain_deadline is not None and time.monotonic() > drain_deadline:
                 log.warning("%s: %d aborted items never came back", self.name, len(self._handles))
                 break
         self._buffer.flush()
+        if self._handing_back:
+            raise HandBack()
         return self._cancelled
 
     def _flush_through_outages(self) -> None:
@@ -403,8 +451,8 @@ class ShardRunner:
         except Exception as exc:
             return error_record(self._item_ctx, req, code="engine_error", message=str(exc), status_code=500)
         if completion.aborted:
-            if self._cancelled:
-                return None  # cancelled: not a result
+            if self._cancelled or self._handing_back:
+                return None  # cancelled, or handed back to run elsewhere: not a result
             return error_record(
                 self._item_ctx, req, code="aborted", message="the engine aborted the request", status_code=500
             )

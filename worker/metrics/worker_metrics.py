@@ -1,7 +1,8 @@
 """A worker process's metrics: what its shards stored (``item_metrics``), its engine now
 (``engine_collector``), the database's jobs and shards (``db_collector``), and the process
 itself (CPU, memory, file descriptors, GC), in one registry, served at ``/metrics`` while
-``CONVEYOR_METRICS_PORT`` is set (``conveyor worker --metrics-port``).
+``CONVEYOR_METRICS_PORT`` is set (``conveyor worker --metrics-port``), beside the process's
+``/healthz`` and ``/readyz`` (``WorkerContext.liveness`` and ``readiness``).
 
 One worker process holds one engine and runs its shard tasks on threads (Celery's threads
 pool), so one process's registry sees all its work. A multi-process pool (prefork) would
@@ -42,7 +43,7 @@ class WorkerMetrics:
     def serve(cls, ctx: WorkerContext, host: str, port: int) -> WorkerMetrics:
         metrics = cls(ctx)
         try:
-            metrics.server = MetricsServer(metrics.registry, host, port)
+            metrics.server = MetricsServer(metrics.registry, host, port, liveness=ctx.liveness, readiness=ctx.readiness)
         except Exception:
             metrics.close()
             raise
