@@ -14,9 +14,23 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_emitted", "_hold", "_ids", "_skip", "_stream", "_tokenizer", "stops", "text")
+    __slots__ = (
+        "_count",
+        "_emitted",
+        "_floor",
+        "_hold",
+        "_ids",
+        "_min_tokens",
+        "_skip",
+        "_stream",
+        "_tokenizer",
+        "stops",
+        "text",
+    )
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, stops: tuple[str, ...], skip_special_tokens: bool = True, min_tokens: int = 0
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Fast tokenizers: their Rust tokenizer and a streaming decoder over it.
@@ -29,20 +43,29 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self._emitted = 0
+        # min_tokens: a stop string must end past the text of the first min_tokens tokens
+        # (``_floor`` characters), as vLLM has it.
+        self._min_tokens = min_tokens
+        self._count = 0
+        self._floor = 0
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any (the text is then
         cut just before it)."""
+        self._count += 1
         piece = self._step(token_id)
         if not piece:
             return None
         search_from = max(0, len(self.text) - self._hold)
         self.text += piece
+        if self._count <= self._min_tokens:
+            self._floor = len(self.text)
+            return None
         if self.stops:
             best = -1
             hit = None
             for s in self.stops:
-                i = self.text.find(s, search_from)
+                i = self.text.find(s, max(search_from, self._floor - len(s) + 1))
                 if i != -1 and (best == -1 or i < best):
                     best, hit = i, s
             if hit is not None:

@@ -127,6 +127,12 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            raise ValueError(
+                f"logit_bias token id {bad[0]} is not in the vocabulary [0, {self.vocab_size})"
+                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            )
         ids, text = self.tokenize(prompt)
         if len(ids) >= self.max_request_tokens:
             budget = "" if self.config.enable_chunked_prefill else ", max_num_batched_tokens without chunked prefill"
@@ -158,7 +164,9 @@ class LLMEngine:
                     generator=generator,
                     # Without streaming or stop strings the text is decoded once, at the end.
                     detokenizer=(
-                        IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens)
+                        IncrementalDetokenizer(
+                            self.tokenizer, params.stop_strings, params.skip_special_tokens, params.min_tokens
+                        )
                         if params.stream or params.stop_strings
                         else None
                     ),

@@ -42,6 +42,7 @@ class Request:
 
     __slots__ = (
         "arrival_seq",
+        "bias_tensors",
         "block_hashes",
         "detokenizer",
         "error",
@@ -65,6 +66,7 @@ class Request:
         "status",
         "stop_ids",
         "stop_reason",
+        "suppress_ids",
         "token_ids",
     )
 
@@ -120,6 +122,10 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Chained hashes of this request's full KV blocks, filled lazily by the KV cache.
         self.block_hashes: list[bytes] = []
+        # The sampler's device tensors for logit_bias (ids, values) and for the ids that
+        # min_tokens masks, built on first use and kept for the request's life.
+        self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.suppress_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,9 +139,15 @@ class Request:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    @property
+    def below_min_tokens(self) -> bool:
+        """Whether the next token is still one that ``min_tokens`` keeps from stopping."""
+        return len(self.output_token_ids) < self.params.min_tokens
+
     def check_stop(self, token_id: int) -> RequestStatus | None:
-        """The finished state this new token puts the request in, if any."""
-        if token_id in self.stop_ids:
+        """The finished state this new token puts the request in, if any. (A stop token id
+        within the first ``min_tokens`` cannot be sampled; it would not stop there either.)"""
+        if token_id in self.stop_ids and len(self.output_token_ids) > self.params.min_tokens:
             self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if len(self.token_ids) >= self.max_total_tokens:

@@ -31,6 +31,10 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        held = [i for i, r in enumerate(reqs) if r.below_min_tokens and r.stop_ids]
+        if biased or held:
+            logits = self._bias_and_hold(logits, reqs, biased, held)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, reqs)
         tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
@@ -59,6 +63,42 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+    def _bias_and_hold(
+        self, logits: torch.Tensor, reqs: list[Request], biased: list[int], held: list[int]
+    ) -> torch.Tensor:
+        """``logit_bias`` added, and the stop ids of rows under ``min_tokens`` set to -inf:
+        one scatter each over the rows concerned, from tensors each request keeps."""
+        logits = logits.clone()  # the caller's logits may be the model's own output
+        dev, vocab = logits.device, logits.shape[1]
+        if biased:
+            ids, values, counts = [], [], []
+            for i in biased:
+                req = reqs[i]
+                if req.bias_tensors is None:
+                    bias = req.params.logit_bias or {}
+                    req.bias_tensors = (
+                        torch.tensor(list(bias), dtype=torch.long, device=dev),
+                        torch.tensor(list(bias.values()), dtype=logits.dtype, device=dev),
+                    )
+                ids.append(req.bias_tensors[0])
+                values.append(req.bias_tensors[1])
+                counts.append(len(req.bias_tensors[0]))
+            rows = _rows(biased, counts, dev)
+            logits.index_put_((rows, torch.cat(ids)), torch.cat(values), accumulate=True)
+        if held:
+            ids, counts = [], []
+            for i in held:
+                req = reqs[i]
+                if req.suppress_ids is None:  # ids past the logits (a stop id no token has) need no mask
+                    req.suppress_ids = torch.tensor(
+                        sorted(t for t in req.stop_ids if t < vocab), dtype=torch.long, device=dev
+                    )
+                ids.append(req.suppress_ids)
+                counts.append(len(req.suppress_ids))
+            rows = _rows(held, counts, dev)
+            logits.index_put_((rows, torch.cat(ids)), torch.tensor(float("-inf"), device=dev))
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -106,6 +146,11 @@ class Sampler:
                     entry.setdefault(t, v)
             out.append(entry)
         return out
+
+
+def _rows(rows: list[int], counts: list[int], dev: torch.device) -> torch.Tensor:
+    """Each row index repeated by its count (the output size given: no device sync)."""
+    return torch.tensor(rows, device=dev).repeat_interleave(torch.tensor(counts, device=dev), output_size=sum(counts))
 
 
 def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:

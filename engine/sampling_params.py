@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (the worker allows OpenAI's 300 by default)
+MAX_LOGIT_BIAS_VALUE = 100.0
 _GREEDY_EPS = 1e-5
 
 
@@ -25,6 +27,13 @@ class SamplingParams:
     seeded request with ``n > 1`` uses seed ``seed + i``. ``stream=False`` asks only for the
     final output (``LLMEngine.step`` then reports the request once, when it finishes), which
     spares the per-step bookkeeping: ``LLM.generate`` uses it.
+
+    ``min_tokens``: until this many tokens are generated, EOS and ``stop_token_ids`` are
+    masked out and stop strings are not looked for (vLLM's semantics: a stop string must end
+    in the text of a later token). ``logit_bias`` maps token ids to a value in [-100, 100]
+    added to that token's logit before penalties, temperature and the top-k/top-p/min-p
+    filters (OpenAI's semantics); ids outside the model's vocabulary are refused by
+    ``LLMEngine.add_request``.
     """
 
     n: int = 1
@@ -41,6 +50,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     stream: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -60,6 +71,10 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
         for name in ("ignore_eos", "skip_special_tokens", "stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -102,6 +117,21 @@ def _check_float(name: str, value: object, low: float | None, high: float | None
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        _check_int("logit_bias token id", token, 0, None)
+        _check_float(f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+        out[token] = float(value)
+    return out or None
 
 
 def _normalise_stop(stop: object) -> tuple[str, ...]:
