@@ -19,6 +19,7 @@ from worker.batchio.request_body import (
     COMPLETIONS,
     ENDPOINTS,
     InvalidRequest,
+    echo_from_body,
     parse_messages,
     parse_prompt,
     sampling_from_body,
@@ -61,6 +62,7 @@ class ParsedRequest:
     sampling: dict[str, Any]  # SamplingParams(**sampling)
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    echo: bool = False  # completions: the prompt goes in front of the text
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
@@ -70,17 +72,23 @@ class ParsedRequest:
         else:
             data["prompt"] = self.prompt
         data["sampling"] = self.sampling
+        if self.echo:  # only when set: shard files written before it read back the same
+            data["echo"] = True
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ParsedRequest:
+        sampling = dict(data["sampling"])
+        if isinstance(sampling.get("logit_bias"), dict):  # JSON turned its int keys into strings
+            sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
         return cls(
             line=data["line"],
             custom_id=data["custom_id"],
             endpoint=data["endpoint"],
-            sampling=dict(data["sampling"]),
+            sampling=sampling,
             prompt=data.get("prompt"),
             messages=data.get("messages"),
+            echo=data.get("echo", False) is True,
         )
 
 
@@ -160,7 +168,7 @@ def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedReque
         raise InvalidRequest("missing_prompt", what, "prompt")
     prompt = parse_prompt(body["prompt"])
     sampling = sampling_from_body(body, endpoint, limits, strict=strict)
-    return ParsedRequest(line, custom_id, endpoint, sampling, prompt=prompt)
+    return ParsedRequest(line, custom_id, endpoint, sampling, prompt=prompt, echo=echo_from_body(body, endpoint))
 
 
 def record_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest | LineError:

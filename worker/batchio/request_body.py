@@ -2,13 +2,15 @@
 
 The sampling dict uses the engine's ``SamplingParams`` field names exactly (``max_tokens,
 temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-repetition_penalty, presence_penalty, frequency_penalty, logprobs, n``), so the task layer
-can do ``SamplingParams(**request.sampling)``. Every user-controlled size is bounded by
+repetition_penalty, presence_penalty, frequency_penalty, logprobs, n, min_tokens,
+logit_bias``), so the task layer can do ``SamplingParams(**request.sampling)``. ``echo`` is
+not sampling: ``echo_from_body`` reads it. Every user-controlled size is bounded by
 ``InputLimits``. Problems raise ``InvalidRequest`` naming the field and what is wrong.
 """
 
 from __future__ import annotations
 
+import re
 import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,6 +102,27 @@ def _stop(param: str, value: Any, limits: InputLimits) -> list[str]:
     return items
 
 
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+
+
+def _logit_bias(value: Any, limits: InputLimits) -> dict[int, float]:
+    """OpenAI's ``{"<token id>": bias}``: keys are decimal token ids (JSON keys are strings),
+    biases numbers from -100 to 100. Whether an id is in the vocabulary only the engine
+    knows: it refuses the request at submission (a 400 on that line)."""
+    if not isinstance(value, dict):
+        raise _invalid("logit_bias", "an object mapping token ids to biases", value)
+    if len(value) > limits.max_logit_bias:
+        raise InvalidRequest(
+            "invalid_value", f"logit_bias has {len(value)} entries; at most {limits.max_logit_bias}", "logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_KEY.fullmatch(key):
+            raise _invalid("logit_bias", 'keyed by token ids (decimal integers such as "50256")', key)
+        out[int(key)] = _float(f"logit_bias[{key}]", bias, -100.0, 100.0)
+    return out
+
+
 def _token_ids(param: str, value: Any, max_count: int) -> list[int]:
     if not isinstance(value, list) or len(value) > max_count:
         raise _invalid(param, f"a list of at most {max_count} token ids", value)
@@ -117,12 +140,14 @@ _COMMON: dict[str, Callable[[Any, InputLimits], Any]] = {
     "stop": lambda v, lim: _stop("stop", v, lim),
     "presence_penalty": lambda v, lim: _float("presence_penalty", v, -2.0, 2.0),
     "frequency_penalty": lambda v, lim: _float("frequency_penalty", v, -2.0, 2.0),
+    "logit_bias": _logit_bias,
     # Extensions beyond OpenAI (as vLLM accepts them).
     "top_k": lambda v, lim: _int("top_k", v, -1, 1_000_000),
     "min_p": lambda v, lim: _float("min_p", v, 0.0, 1.0),
     "repetition_penalty": lambda v, lim: _float("repetition_penalty", v, 0.0, 10.0, low_open=True),
     "stop_token_ids": lambda v, lim: _token_ids("stop_token_ids", v, lim.max_stop_token_ids),
     "ignore_eos": lambda v, lim: _bool("ignore_eos", v),
+    "min_tokens": lambda v, lim: _int("min_tokens", v, 0, lim.max_tokens),
 }
 
 # Accepted and ignored when they hold a harmless value (None always counts as absent).
@@ -132,9 +157,10 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
     "metadata": lambda v: isinstance(v, dict),
     "store": lambda v: isinstance(v, bool),
     "service_tier": lambda v: isinstance(v, str),
+    "safety_identifier": lambda v: isinstance(v, str),
+    "prompt_cache_key": lambda v: isinstance(v, str),
     "stream": lambda v: v is False,
-    "echo": lambda v: v is False,
-    "logit_bias": lambda v: v == {},
+    "echo": lambda v: v is False,  # chat (completions take it: see the loop)
     "suffix": lambda v: v == "",
     "response_format": lambda v: v == {"type": "text"},
     "parallel_tool_calls": lambda v: isinstance(v, bool),
@@ -147,10 +173,9 @@ _UNSUPPORTED_HINT = {
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
     "tool_choice": "tool calling is not supported",
-    "logit_bias": "logit_bias is not supported",
     "response_format": "only the text response format is supported",
-    "echo": "echo is not supported",
-    "suffix": "suffix is not supported",
+    "echo": "echo is a completions parameter",
+    "suffix": "suffix (text after the completion, for insertion) needs a fill-in-the-middle model",
 }
 
 
@@ -184,6 +209,8 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
             sampling["logprobs"] = _int("top_logprobs", value, 0, limits.max_logprobs)
         elif name == "logprobs":
             sampling["logprobs"] = _int("logprobs", value, 0, limits.max_logprobs)
+        elif name == "echo" and not chat:
+            _bool("echo", value)  # not sampling: echo_from_body
         elif name == "best_of" and not chat:
             if value != body.get("n", 1):
                 raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")
@@ -195,7 +222,26 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
             raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {endpoint}", name)
     if chat and "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
         raise InvalidRequest("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    if sampling.get("min_tokens", 0) > sampling["max_tokens"]:
+        raise InvalidRequest(
+            "invalid_value",
+            f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({sampling['max_tokens']})",
+            "min_tokens",
+        )
+    if echo_from_body(body, endpoint) and "logprobs" in sampling:
+        raise InvalidRequest(
+            "unsupported",
+            "echo with logprobs is not supported: the engine does not compute the prompt tokens' logprobs "
+            "(send echo or logprobs, not both)",
+            "echo",
+        )
     return sampling
+
+
+def echo_from_body(body: Mapping[str, Any], endpoint: str) -> bool:
+    """Whether a completions body asks for the prompt in front of the text (checked by
+    ``sampling_from_body``)."""
+    return endpoint == COMPLETIONS and body.get("echo") is True
 
 
 # ---- prompts ------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ class InputLimits:
     max_stop_sequences: int = 16
     max_stop_chars: int = 512
     max_stop_token_ids: int = 256
+    # logit_bias entries: OpenAI's API reference states no bound; its API refuses more than 300.
+    max_logit_bias: int = 300
     max_messages: int = 1024
 
 

@@ -93,6 +93,7 @@ class Settings(BaseSettings):
     max_logprobs: int = Field(DEFAULT_LIMITS.max_logprobs, ge=0, le=20)
     max_stop_sequences: int = Field(DEFAULT_LIMITS.max_stop_sequences, ge=0, le=32)
     max_stop_token_ids: int = Field(DEFAULT_LIMITS.max_stop_token_ids, ge=0, le=1024)
+    max_logit_bias: int = Field(DEFAULT_LIMITS.max_logit_bias, ge=0, le=1024)
     max_messages: int = Field(DEFAULT_LIMITS.max_messages, ge=1)
     max_shard_size: int = Field(10_000, ge=1)
     max_priority: int = Field(1000, ge=0)
@@ -245,6 +246,7 @@ class Settings(BaseSettings):
             max_logprobs=self.max_logprobs,
             max_stop_sequences=self.max_stop_sequences,
             max_stop_token_ids=self.max_stop_token_ids,
+            max_logit_bias=self.max_logit_bias,
             max_messages=self.max_messages,
         )
 

@@ -17,6 +17,7 @@ from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
 
 TokenText = Callable[[int], str]
+Decode = Callable[[list[int]], str]
 
 
 def clean_text(text: str) -> str:
@@ -65,9 +66,10 @@ def error_record(
 
 
 def completion_record(
-    ctx: ItemContext, req: ParsedRequest, completion: Completion, token_text: TokenText
+    ctx: ItemContext, req: ParsedRequest, completion: Completion, token_text: TokenText, decode: Decode | None = None
 ) -> ItemRecord:
-    """The stored item for a request the engine finished (or refused)."""
+    """The stored item for a request the engine finished (or refused). ``decode`` gives the
+    text of a prompt sent as token ids, for ``echo``."""
     if completion.rejected:
         return error_record(ctx, req, code="invalid_request", message=completion.error or "rejected", status_code=400)
     outputs = completion.outputs
@@ -81,9 +83,10 @@ def completion_record(
             status_code=500,
         )
     top = req.sampling.get("logprobs")
+    echoed = _echoed_prompt(req, outputs[0], decode)
     choices = [
         Choice(
-            clean_text(o.text),
+            clean_text(echoed + o.text),
             o.finish_reason,
             _logprobs(req.endpoint, o, top, token_text) if top is not None else None,
         )
@@ -125,6 +128,17 @@ def completion_record(
         e2e=max(e2e) if e2e else None,
         worker_id=ctx.worker_id,
     )
+
+
+def _echoed_prompt(req: ParsedRequest, out: RequestOutput, decode: Decode | None) -> str:
+    """What ``echo`` puts in front of the text: the prompt as sent, or its token ids' text."""
+    if not req.echo:
+        return ""
+    if out.prompt is not None:
+        return out.prompt
+    if decode is None:
+        raise ValueError("echo of a token-id prompt needs a decode function")
+    return decode(out.prompt_token_ids)
 
 
 def _logprobs(endpoint: str, out: RequestOutput, top: int, token_text: TokenText) -> dict[str, Any] | None:

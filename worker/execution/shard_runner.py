@@ -393,6 +393,7 @@ class ShardRunner:
             handle = host.submit(engine_prompt(req), params, priority=priority, tag=req, on_done=finished.put)
             self._handles[handle.request_id] = handle
         token_text = _token_text(host.tokenizer)
+        decode = _decode(host.tokenizer)
         next_poll = time.monotonic() + s.cancel_poll_seconds
         drain_deadline: float | None = None
         while self._handles:
@@ -403,7 +404,7 @@ class ShardRunner:
             except queue.Empty:
                 finished_handle = None
             if finished_handle is not None and self._handles.pop(finished_handle.request_id, None) is not None:
-                record = self._record(finished_handle, token_text)
+                record = self._record(finished_handle, token_text, decode)
                 if record is not None:
                     self._buffer.add(record)
             if self._buffer.due():
@@ -444,7 +445,7 @@ class ShardRunner:
                 raise
             self._flush_after = time.monotonic() + 1.0
 
-    def _record(self, handle: RequestHandle, token_text: Any) -> ItemRecord | None:
+    def _record(self, handle: RequestHandle, token_text: Any, decode: Any) -> ItemRecord | None:
         req: ParsedRequest = handle.tag
         try:
             completion: Completion = handle.future.result()
@@ -456,7 +457,7 @@ class ShardRunner:
             return error_record(
                 self._item_ctx, req, code="aborted", message="the engine aborted the request", status_code=500
             )
-        return completion_record(self._item_ctx, req, completion, token_text)
+        return completion_record(self._item_ctx, req, completion, token_text, decode)
 
     def _job_stopping(self) -> bool:
         try:
@@ -550,6 +551,15 @@ def _token_text(tokenizer: Any):
         return cache[token_id]
 
     return text
+
+
+def _decode(tokenizer: Any):
+    def decode(token_ids: list[int]) -> str:
+        text = tokenizer.decode(token_ids)
+        assert isinstance(text, str)  # one sequence in, one text out
+        return text
+
+    return decode
 
 
 def run_shard(ctx: WorkerContext, job_id: str, shard_index: int) -> ShardOutcome:
