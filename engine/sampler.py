@@ -32,7 +32,7 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        held = [i for i, r in enumerate(reqs) if r.below_min_tokens and r.stop_ids]
+        held = [i for i, r in enumerate(reqs) if r.params.min_tokens and r.below_min_tokens and r.stop_ids]
         if biased or held:
             logits = self._bias_and_hold(logits, reqs, biased, held)
         if any(p.has_penalties for p in params):
