@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from tests.worker.helpers import assert_each_request_once, jsonl, openai_lines, parse_lines, wait_for
 from worker.broker.queues import enqueue_intake
@@ -16,8 +16,9 @@ from worker.execution.context import WorkerContext
 from worker.execution.shard_runner import run_shard
 from worker.jobs import object_keys
 from worker.jobs.submission import SubmitOptions, create_job, ingest_job
+from worker.jobs.sweeper import Sweeper
 from worker.store.database import create_db_engine
-from worker.store.models import Job, Shard
+from worker.store.models import Job, Shard, now
 from worker.store.objects.base import InvalidKey
 
 
@@ -154,5 +155,59 @@ def test_a_worker_ingests_a_stored_input_from_its_intake_queue(pg_redis_s3_stack
     db = create_db_engine(pg_redis_s3_stack.settings.database)
     assert_each_request_once(client, db, done, n)
     wait_for(lambda: "ingested" in worker.log(), 10, "the worker's intake log line")
+    db.dispose()
+    client.close()
+
+
+def test_the_sweeper_sends_a_lost_intake_again_once_and_leaves_in_process_submissions_alone(embedded_stack) -> None:
+    client = Client(embedded_stack.settings)
+    options = SubmitOptions(model=embedded_stack.model, shard_size=2)
+    lost, _ = create_job(client.db, client.store, client.settings, _stored(client, openai_lines(3)), options)
+    fresh, _ = create_job(
+        client.db, client.store, client.settings, _stored(client, openai_lines(2), "uploads/b.jsonl"), options
+    )
+    own, _ = create_job(
+        client.db, client.store, client.settings, _stored(client, openai_lines(2), "uploads/c.jsonl"), options
+    )
+    old = now() - client.settings.intake_resend_seconds - 5
+    own_copy = client.store.uri(f"{object_keys.job_prefix(own['id'])}/{object_keys.input_key('jsonl')}")
+    with client.db.begin() as conn:
+        conn.execute(update(Job).where(Job.id.in_([lost["id"], own["id"]])).values(updated_at=old))
+        # what `conveyor submit` leaves if it dies mid-intake: its own copy, which may be partial
+        conn.execute(update(Job).where(Job.id == own["id"]).values(input_uri=own_copy))
+
+    def sweeper(sent: list[str]) -> Sweeper:
+        return Sweeper(
+            client.db, "some/other-model", client.settings,
+            enqueue_shard=lambda j, i: None, enqueue_finalize=lambda j, r: None, queue_depth=lambda: 0,
+            enqueue_intake=sent.append,
+        )  # fmt: skip
+
+    first: list[str] = []
+    second: list[str] = []
+    assert sweeper(first).sweep_once().intakes == [lost["id"]]  # any model's worker may re-send it
+    assert first == [lost["id"]]
+    assert sweeper(second).sweep_once().intakes == [] and second == []  # claimed: the clock starts again
+    with client.db.connect() as conn:
+        status = conn.execute(select(Job.status).where(Job.id == fresh["id"])).scalar_one()
+    assert status == "validating"
+    client.close()
+
+
+def test_a_worker_recovers_a_job_whose_intake_message_was_lost(embedded_stack, spawn_worker) -> None:
+    stack = embedded_stack.with_values(intake_resend_seconds=2.0)
+    worker = spawn_worker(stack)
+    worker.wait_ready()
+    client = Client(stack.settings)
+    n = 4
+    job, _ = create_job(
+        client.db, client.store, client.settings, _stored(client, openai_lines(n)),
+        SubmitOptions(model=stack.model, shard_size=2),
+    )  # fmt: skip
+    # no enqueue_intake: as if the broker lost the message
+    done = client.wait(job["id"], timeout=120, poll=0.2)
+    db = create_db_engine(stack.settings.database)
+    assert_each_request_once(client, db, done, n)
+    assert "1 intakes sent again" in worker.log()
     db.dispose()
     client.close()

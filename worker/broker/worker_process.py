@@ -36,7 +36,7 @@ from celery import Celery, bootsteps, signals
 
 from worker.broker.announce import Announcer
 from worker.broker.app_state import AppState, app_state
-from worker.broker.queues import enqueue_finalize, enqueue_shards, queue_depth
+from worker.broker.queues import enqueue_finalize, enqueue_intake, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
 from worker.core.settings import ConfigError
 from worker.execution.process_state import Phase
@@ -68,6 +68,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         enqueue_shard=lambda job_id, index: enqueue_shards(app, queue, job_id, [index]),
         enqueue_finalize=lambda job_id, redo: enqueue_finalize(app, queue, job_id, redo),
         queue_depth=lambda: queue_depth(app, queue),
+        enqueue_intake=lambda job_id: enqueue_intake(app, job_id, s.queue_prefix),
     )
     state.sweeper = sweeper
     state.sweep_thread = Periodic("conveyor-sweeper", s.sweep_interval_seconds, sweeper.sweep_once).start()

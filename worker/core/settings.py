@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     # the worker exits, so the hang is handled like a crash (its items' suspects run alone).
     step_timeout_seconds: float = Field(600.0, gt=0)
     max_shards_per_job: int = Field(100_000, ge=1)
+    # A job created by reference (the HTTP API, a broker submission) still ``validating`` this
+    # long after it was created gets its intake message again (the broker may have lost it).
+    intake_resend_seconds: float = Field(300.0, gt=0)
     # A worker counts as live (serving its model) while its last heartbeat (every
     # CONVEYOR_HEARTBEAT_SECONDS) is at most this old; ``submit`` and ``status`` say when none is.
     worker_live_seconds: float = Field(60.0, gt=0)

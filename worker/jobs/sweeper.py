@@ -15,6 +15,11 @@
   lease taken or the shard done and exits.
 - A job whose finaliser died (``finalizing``, no heartbeat for a lease period), or whose
   last shard's worker died before finalising, gets a finalisation task.
+- A job created by reference to a stored input (``create_job``: the HTTP API, a broker
+  submission) that is still ``validating`` ``intake_resend_seconds`` after it was created (or
+  last re-sent) gets its intake message again: the broker may have lost it, and intake is
+  idempotent. Every sweeper looks at every model's (the intake queue is shared). A job that
+  ``conveyor submit`` ingests in its own process has no intake message: it is left alone.
 
 Every hand-over is a compare-and-set, so of several sweeping workers exactly one acts.
 """
@@ -30,6 +35,7 @@ from sqlalchemy import and_, exists, or_, select, update
 from sqlalchemy.engine import Engine
 
 from worker.core.settings import Settings
+from worker.jobs import object_keys
 from worker.jobs.finalize import ACTIVE_SHARD
 from worker.store.crashes import record_death
 from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
@@ -46,6 +52,7 @@ class SweepReport:
     lost: list[tuple[str, int]] = field(default_factory=list)
     finalize: list[str] = field(default_factory=list)  # claim and finalise
     refinalize: list[str] = field(default_factory=list)  # redo a stalled finalisation
+    intakes: list[str] = field(default_factory=list)  # validating too long: send the intake again
 
 
 class Sweeper:
@@ -57,11 +64,13 @@ class Sweeper:
         enqueue_shard: Callable[[str, int], None],
         enqueue_finalize: Callable[[str, bool], None],
         queue_depth: Callable[[], int | None],
+        enqueue_intake: Callable[[str], None] | None = None,
     ) -> None:
         self.db, self.model, self.settings = db, model, settings
         self._enqueue_shard = enqueue_shard
         self._enqueue_finalize = enqueue_finalize
         self._queue_depth = queue_depth
+        self._enqueue_intake = enqueue_intake
         self._judge_leases_from = 0.0  # monotonic time; later after an outage of the database
         self._failed = False
         self._reconnected = False
@@ -93,16 +102,22 @@ class Sweeper:
         elif depth is None and reconnected:
             self._reconnected = True  # the broker cannot tell its depth yet: next time
         self._stalled_jobs(report)
+        if self._enqueue_intake is not None:
+            self._stalled_intakes(report)
+            for job_id in report.intakes:
+                self._enqueue_intake(job_id)
         for job_id, index in report.expired + report.lost:
             self._enqueue_shard(job_id, index)
         for job_id in report.finalize:
             self._enqueue_finalize(job_id, False)
         for job_id in report.refinalize:
             self._enqueue_finalize(job_id, True)
-        if report.expired or report.lost or report.finalize or report.refinalize:
+        if report.expired or report.lost or report.finalize or report.refinalize or report.intakes:
             log.warning(
-                "sweep: re-enqueued %d shards with expired leases, %d with lost messages; %d jobs to finalise",
+                "sweep: re-enqueued %d shards with expired leases, %d with lost messages; %d jobs to finalise; "
+                "%d intakes sent again",
                 len(report.expired), len(report.lost), len(report.finalize) + len(report.refinalize),
+                len(report.intakes),
             )  # fmt: skip
         return report
 
@@ -185,3 +200,26 @@ class Sweeper:
                 ).rowcount
                 if won:
                     (report.refinalize if finalizing_at is not None else report.finalize).append(job_id)
+
+    def _stalled_intakes(self, report: SweepReport) -> None:
+        t = now()
+        before = t - self.settings.intake_resend_seconds
+        with self.db.begin() as conn:
+            rows = conn.execute(
+                select(Job.id, Job.updated_at, Job.input_uri, Job.input_format)
+                .where(Job.status == JobStatus.validating, Job.updated_at < before)
+                .order_by(Job.updated_at)
+                .limit(BATCH)
+            ).all()
+            for job_id, updated_at, input_uri, input_format in rows:
+                own_copy = f"/{object_keys.job_prefix(job_id)}/{object_keys.input_key(input_format or 'jsonl')}"
+                if (input_uri or "").endswith(own_copy):  # ingested by its submitter: no message to lose
+                    continue
+                won = conn.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.status == JobStatus.validating, Job.updated_at == updated_at)
+                    .values(updated_at=t)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if won:
+                    report.intakes.append(job_id)
