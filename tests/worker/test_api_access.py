@@ -157,6 +157,12 @@ def test_an_idempotency_key_finds_the_batch_it_created(server) -> None:
     other = client.batches.create(**args, extra_headers={"Idempotency-Key": "k2"})
     assert first.id == again.id != other.id
     assert len(client.batches.list().data) == 2
+    # The key names one request: the same key with another field is a conflict, not that batch.
+    with pytest.raises(openai.ConflictError) as info:
+        client.batches.create(**{**args, "metadata": {"run": "2"}}, extra_headers={"Idempotency-Key": "k1"})
+    assert info.value.code == "idempotency_key_reused" and first.id in info.value.message
+    assert "metadata" in info.value.message
+    assert len(client.batches.list().data) == 2
 
 
 def test_lists_page_with_after_cursors_as_openais_do(server) -> None:

@@ -36,7 +36,7 @@ from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
 from worker.jobs.files import BATCH, FileNotFound, get_file_info
 from worker.jobs.owned_jobs import fail_unqueued
-from worker.jobs.submission import SubmitOptions, check_metadata, create_job
+from worker.jobs.submission import SubmitOptions, check_metadata, create_job, job_with_key
 from worker.store.workers import served_models
 
 MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
@@ -140,6 +140,9 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
             raise bad_request(f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters.")
         key = f"api:{owner or '-'}:{idempotency}"  # one owner's key never finds another's batch
+        existing = job_with_key(db, key)
+        if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
+            return _same_request(existing, req, metadata)
     try:
         info = get_file_info(db, req.input_file_id, owner)
     except FileNotFound:
@@ -168,10 +171,30 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         )  # fmt: skip
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    if created:
-        try:
-            enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
-        except Exception as exc:
-            fail_unqueued(db, batch["id"], f"the batch could not be handed to the workers: {type(exc).__name__}")
-            raise ApiError(503, "The server cannot reach its broker right now; try again shortly.") from None
+    if not created:  # the same key, created at the same moment by another request
+        return _same_request(batch, req, metadata)
+    try:
+        enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
+    except Exception as exc:
+        fail_unqueued(db, batch["id"], f"the batch could not be handed to the workers: {type(exc).__name__}")
+        raise ApiError(503, "The server cannot reach its broker right now; try again shortly.") from None
+    return batch
+
+
+def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None) -> dict[str, Any]:
+    """``batch`` if it was created by this same request, else 409: a key names one request (as
+    Stripe's and OpenAI's idempotency keys do), so a reused key with other fields is a mistake."""
+    asked = {
+        "input_file_id": req.input_file_id, "endpoint": req.endpoint,
+        "completion_window": req.completion_window, "metadata": metadata or None,
+    }  # fmt: skip
+    differs = [name for name, value in asked.items() if (batch.get(name) or None) != value]
+    if differs:
+        raise ApiError(
+            409,
+            f"This Idempotency-Key was already used for batch {batch['id']} with a different "
+            f"{', '.join(differs)}; use a new key for a new batch.",
+            param=differs[0],
+            code="idempotency_key_reused",
+        )
     return batch

@@ -185,7 +185,7 @@ def create_job(
                 f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters, "
                 f"got {idempotency_key!r:.80}"
             )
-        existing = _job_with_key(db, idempotency_key)
+        existing = job_with_key(db, idempotency_key)
         if existing is not None:
             return existing, False
     try:
@@ -208,14 +208,15 @@ def create_job(
                 )
             )  # fmt: skip
     except IntegrityError:
-        existing = _job_with_key(db, idempotency_key) if idempotency_key is not None else None
+        existing = job_with_key(db, idempotency_key) if idempotency_key is not None else None
         if existing is None:
             raise
         return existing, False  # a duplicate won the race
     return get_job(db, job_id), True
 
 
-def _job_with_key(db: Engine, idempotency_key: str) -> dict[str, Any] | None:
+def job_with_key(db: Engine, idempotency_key: str) -> dict[str, Any] | None:
+    """The batch object of the job created under ``idempotency_key``, if any."""
     with db.connect() as conn:
         job_id = conn.execute(select(Job.id).where(Job.idempotency_key == idempotency_key)).scalar_one_or_none()
     return None if job_id is None else get_job(db, job_id)
