@@ -4,6 +4,9 @@ worker is only registered as serving the model (``workers`` rows), none is start
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -254,3 +257,34 @@ def test_upload_form_mistakes_get_400(server) -> None:
     # Unknown paths and methods answer in OpenAI's shape too.
     assert httpx.get(f"{server.url}/v1/nothing", headers=auth).json()["error"]["message"].startswith("Invalid URL")
     assert httpx.put(f"{server.url}/v1/files", headers=auth).status_code == 405
+
+
+@pytest.mark.parametrize("server", [{"upload_idle_timeout_seconds": 1.0}], indirect=True)
+def test_an_upload_that_stalls_mid_body_gets_408_and_frees_its_slot(server) -> None:
+    client = server.client(server.new_key("ida"))
+    host, port = server.url.removeprefix("http://").split(":")
+    boundary = "conveyor-stall"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="s.jsonl"\r\n\r\n'
+    ).encode() + jsonl(batch_lines(3))
+    request = (
+        f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {client.api_key}\r\n"
+        f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len(head) + 100_000}\r\n\r\n"
+    ).encode() + head
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)  # ... and then nothing more: the client hangs mid-body
+        started = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert time.monotonic() - started < 15
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 408 " in status_line, answer[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "upload_timeout"
+    assert client.files.list().data == []
+    assert list(open_store_from_settings(server.settings).list("files/")) == []
+    assert upload(client, batch_lines(1))  # the slot is free again

@@ -47,7 +47,11 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
         raise
     async with services.uploads:
         upload, form = await receive_upload(
-            request, services.store, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+            request,
+            services.store,
+            max_bytes=settings.max_upload_bytes,
+            max_line_bytes=settings.max_line_bytes,
+            idle_seconds=settings.upload_idle_timeout_seconds,
         )
         return await run_in_threadpool(
             upload.commit,

@@ -16,6 +16,7 @@ that the client, still sending, reads the answer rather than a reset connection.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,24 @@ class UploadForm:
     expires_after: int | None
 
 
+class UploadStalled(Exception):
+    """The client sent nothing for the idle timeout in the middle of a body."""
+
+
+async def _paced(stream: AsyncIterator[bytes], idle_seconds: float) -> AsyncIterator[bytes]:
+    """``stream``'s chunks, each within ``idle_seconds`` of the last: a client that stops
+    sending mid-body (a dead peer, a slow-loris) does not hold an upload slot forever."""
+    chunks = stream.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), idle_seconds)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise UploadStalled() from None
+        yield chunk
+
+
 async def drain(stream: AsyncIterator[bytes], limit: int = DRAIN_BYTES) -> None:
     """Read and drop the rest of a body (up to ``limit`` bytes) before an early answer."""
     seen = 0
@@ -158,14 +177,15 @@ def check_declared_length(request: Request, max_bytes: int) -> None:
 
 
 async def receive_upload(
-    request: Request, store: ObjectStore, *, max_bytes: int, max_line_bytes: int
+    request: Request, store: ObjectStore, *, max_bytes: int, max_line_bytes: int, idle_seconds: float
 ) -> tuple[FileUpload, UploadForm]:
     """Stream the form's file into the store; the upload (to ``commit``) and the form's fields.
-    An ``ApiError`` after the upload was aborted and the body drained."""
+    An ``ApiError`` after the upload was aborted and the body drained (a 408, not drained,
+    when the client sent nothing for ``idle_seconds``)."""
     boundary = _boundary(request)
     events = _Events()
     parser = MultipartParser(boundary, events.callbacks())
-    stream = request.stream()
+    stream = _paced(request.stream(), idle_seconds)
     upload: FileUpload | None = None
     fields: dict[str, str] = {}
     filename: str | None = None
@@ -224,6 +244,16 @@ async def receive_upload(
     except FileTooLarge:
         await drain(stream)
         raise too_large(max_bytes) from None
+    except UploadStalled:
+        if upload is not None:
+            await run_in_threadpool(upload.abort)
+        raise ApiError(
+            408,
+            f"The upload stalled: no data for {idle_seconds:.0f} s (CONVEYOR_UPLOAD_IDLE_TIMEOUT_SECONDS); "
+            "nothing was kept.",
+            code="upload_timeout",
+            headers={"Connection": "close"},
+        ) from None
     except BaseException:
         if upload is not None:
             await run_in_threadpool(upload.abort)

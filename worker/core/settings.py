@@ -102,6 +102,8 @@ class Settings(BaseSettings):
     # (one more is answered 429; the SDK retries it).
     max_upload_bytes: int = Field(DEFAULT_MAX_UPLOAD_BYTES, ge=1)
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
+    # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
+    upload_idle_timeout_seconds: float = Field(60.0, gt=0)
 
     # Sharding, leases and write batching.
     shard_size: int = Field(256, ge=1)
