@@ -5,5 +5,6 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.startup import StartupTimings
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams", "StartupTimings"]

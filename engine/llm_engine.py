@@ -23,6 +23,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.startup import StartupTimings, sync
 from engine.text_checks import check_text, check_texts
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # How long each phase of this start took (``engine.startup``): a worker reports it.
+        self.startup = startup = StartupTimings(started_at=time.time())
+        begin = time.perf_counter()
         self.config = config
         if config.attention_backend == "triton":
             # Triton chooses its CPU interpreter when first imported, and transformers imports
@@ -64,7 +68,9 @@ class LLMEngine:
         model_path = resolve_model_path(config.model, config.revision)
         self.spec = ModelSpec.from_pretrained(model_path)
         tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
+        tok_begin = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok_path))
+        startup.tokenizer = time.perf_counter() - tok_begin
         max_len = self.spec.max_position_embeddings
         if self.spec.sliding_window:  # we attend to the full context: stay inside the window
             max_len = min(max_len, self.spec.sliding_window)
@@ -72,13 +78,16 @@ class LLMEngine:
             if config.max_model_len > max_len:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}")
             max_len = config.max_model_len
-        self.runner = ModelRunner(config, self.spec, model_path, max_len)
+        startup.weights += time.perf_counter() - begin  # the runner adds the weights themselves
+        self.runner = ModelRunner(config, self.spec, model_path, max_len, startup=startup)
+        kv_begin = time.perf_counter()
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
         )
+        startup.kv_cache += time.perf_counter() - kv_begin
         self.max_model_len = max_len
         # A request never grows past what the whole cache can hold, so it always fits alone;
         # without chunked prefill it must also fit one step's budget, or (re)admitting it never
@@ -106,6 +115,8 @@ class LLMEngine:
         self._last_step_tokens = 0
         self._prompt_tokens_computed = 0
         self._generated_tokens = 0
+        sync(self.runner.device)
+        startup.total = time.perf_counter() - begin
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(

@@ -8,6 +8,7 @@ only replays a captured CUDA graph instead (``engine.cuda_graphs``; off with ``e
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from engine.models.model_config import ModelSpec
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.startup import StartupTimings, sync
 from kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -36,20 +38,36 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: Path, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        model_path: Path,
+        max_model_len: int,
+        *,
+        startup: StartupTimings | None = None,
+    ) -> None:
+        # Each phase's seconds are added to ``startup`` (the engine's, when it builds us).
+        self.startup = startup = startup if startup is not None else StartupTimings(started_at=time.time())
         self.config = config
         self.max_model_len = max_model_len
         self.spec = spec
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
         self.block_size = config.block_size
+        begin = time.perf_counter()
         self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device)
+        sync(self.device)
+        startup.weights += time.perf_counter() - begin
         self.backend = create_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
+        begin = time.perf_counter()
         self.num_blocks = self._num_kv_blocks()
         shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        sync(self.device)
+        startup.kv_cache += time.perf_counter() - begin
         log.info(
             "model on %s (%s), attention=%s; KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)",
             self.device,
@@ -63,7 +81,10 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         if self._use_cuda_graphs():
+            begin = time.perf_counter()
             self.capture_decode_graphs()
+            sync(self.device)
+            startup.cuda_graphs = time.perf_counter() - begin
 
     def _num_kv_blocks(self) -> int:
         config, spec = self.config, self.spec
