@@ -1,4 +1,5 @@
-"""``conveyor bench``: how fast this machine runs a model, on a synthetic batch workload.
+"""``conveyor bench``: how fast this machine runs a model, on a synthetic batch workload;
+``conveyor bench --cold-start``: how long a fresh process takes to build the engine, by phase.
 
 Random token-id prompts (optionally behind a shared prefix, as with a common system prompt)
 and output lengths drawn from a range with EOS ignored, all submitted at once, the way a
@@ -7,9 +8,15 @@ batch job feeds the engine. Reports throughput and per-request latency percentil
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.llm import LLM
@@ -142,3 +149,128 @@ def format_result(r: BenchResult) -> str:
         f"(p90 ttft {r.ttft_p90 * 1e3:.1f} ms, e2e {r.e2e_p90:.2f} s)",
         f"  preemptions  {r.preemptions}",
     ])  # fmt: skip
+
+
+# ---- cold start ---------------------------------------------------------------------------
+
+COLD_START_PHASES = ("import", "weights", "kv_cache", "cuda_graphs", "other")
+MAX_COLD_START_RUNS = 20
+
+
+@dataclass
+class ColdStartRun:
+    """One fresh process's start, in seconds: ``import`` (process start to the engine
+    beginning to load: the interpreter, torch, transformers, the engine), ``weights``,
+    ``kv_cache``, ``cuda_graphs`` (None: not captured), ``other`` (the rest), ``total``
+    (process start to the engine built)."""
+
+    phases: dict[str, float | None]
+    total: float
+    tokenizer: float  # the tokenizer's part of weights
+    process_start_source: str
+    device: str
+    dtype: str
+
+    @classmethod
+    def measure(cls, process_started_at: float, source: str, engine: Any, built_at: float) -> ColdStartRun:
+        t = engine.startup
+        total = built_at - process_started_at
+        imports = max(0.0, t.started_at - process_started_at)
+        phases: dict[str, float | None] = {
+            "import": imports,
+            "weights": t.weights,
+            "kv_cache": t.kv_cache,
+            "cuda_graphs": t.cuda_graphs,
+        }
+        phases["other"] = max(0.0, total - sum(v or 0.0 for v in phases.values()))
+        return cls(phases, total, t.tokenizer, source, str(engine.runner.device), str(engine.runner.dtype))
+
+
+@dataclass
+class ColdStartResult:
+    model: str
+    runs: list[ColdStartRun]
+
+    @property
+    def median(self) -> dict[str, float | None]:
+        """Each phase's median over the runs (and ``total``'s)."""
+        out: dict[str, float | None] = {}
+        for name in (*COLD_START_PHASES, "total"):
+            values = [r.total if name == "total" else r.phases[name] for r in self.runs]
+            known = [v for v in values if v is not None]
+            out[name] = statistics.median(known) if known else None
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "runs": [asdict(r) for r in self.runs], "median": self.median}
+
+
+def _child_main(spec_json: str) -> None:
+    """In the fresh process: build the engine as a worker would and print the timings."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.startup import process_start_time
+
+    engine = LLMEngine(EngineConfig(**json.loads(spec_json)))
+    built_at = time.time()
+    started_at, source = process_start_time()
+    run = ColdStartRun.measure(started_at, source, engine, built_at)
+    print(_CHILD_MARK + json.dumps(asdict(run)), flush=True)
+
+
+_CHILD_MARK = "conveyor-cold-start: "
+
+
+def run_cold_start(
+    model: str, *, engine_args: dict[str, Any] | None = None, repeat: int = 3, timeout: float = 1800.0
+) -> ColdStartResult:
+    """Start ``repeat`` fresh Python processes one after the other, each importing the
+    engine and building an ``LLMEngine(EngineConfig(model, **engine_args))``; their phases.
+    The first run may pay for a cold page cache (files read from disk), later ones not."""
+    if not 1 <= repeat <= MAX_COLD_START_RUNS:
+        raise ValueError(f"repeat must be from 1 to {MAX_COLD_START_RUNS}, got {repeat}")
+    spec = json.dumps({**(engine_args or {}), "model": model})
+    root = str(Path(__file__).resolve().parents[1])  # where the engine package lies
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    runs = []
+    for _ in range(repeat):
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine.bench", "--cold-start-child", spec],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(_CHILD_MARK)]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise ValueError(f"the cold-start process for {model} failed (exit {proc.returncode}): {tail}")
+        runs.append(ColdStartRun(**json.loads(lines[-1][len(_CHILD_MARK) :])))
+    return ColdStartResult(model, runs)
+
+
+def _phases_line(phases: dict[str, float | None], total: float | None) -> str:
+    def show(v: float | None) -> str:
+        return "off" if v is None else f"{v:.2f} s"
+
+    return f"total {show(total)}: " + ", ".join(f"{name} {show(phases.get(name))}" for name in COLD_START_PHASES)
+
+
+def format_cold_start(result: ColdStartResult) -> str:
+    first = result.runs[0]
+    lines = [
+        f"cold start of {result.model} on {first.device} ({first.dtype}): {len(result.runs)} fresh Python "
+        f"process(es), process start to engine built (start time from the {first.process_start_source})"
+    ]
+    for i, run in enumerate(result.runs, 1):
+        lines.append(f"  run {i}    {_phases_line(run.phases, run.total)} (tokenizer {run.tokenizer:.2f} s of weights)")
+    median = result.median
+    lines.append(f"  median   {_phases_line(median, median['total'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m engine.bench --cold-start-child SPEC (what run_cold_start starts)
+    if len(sys.argv) != 3 or sys.argv[1] != "--cold-start-child":
+        sys.exit("usage: python -m engine.bench --cold-start-child '{\"model\": ...}' (run by conveyor bench)")
+    _child_main(sys.argv[2])

@@ -185,6 +185,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     state = app_state(app)
     if state is not None:
+        state.context().mark_ready()  # logs the cold start, which /metrics exports from now on
         state.context().state.advance(Phase.ready)
     if state is not None and not state.background:
         start_background(app, state)

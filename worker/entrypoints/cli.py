@@ -321,6 +321,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import TokenRange, format_result, run_bench  # the engine (see the module docstring)
 
     settings = load_settings()
+    if args.cold_start:
+        return _bench_cold_start(settings, args)
     result = run_bench(
         args.model,
         requests=args.requests,
@@ -334,6 +336,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _print_json(result.as_dict())
     else:
         print(format_result(result))
+    return 0
+
+
+def _bench_cold_start(settings: Settings, args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from engine.bench import format_cold_start, run_cold_start
+    from worker.execution.context import engine_config
+
+    # The engine exactly as a worker builds it: its EngineConfig, CONVEYOR_ENGINE_ARGS applied.
+    config = dataclasses.asdict(engine_config(settings, args.model))
+    model = config.pop("model")
+    result = run_cold_start(model, engine_args=config, repeat=args.repeat)
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(format_cold_start(result))
     return 0
 
 
@@ -604,6 +623,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-tokens", default="10-500", help="N or LOW-HIGH, EOS ignored (default 10-500)")
     bench.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix every prompt shares")
     bench.add_argument("--seed", type=int, default=0, help="random seed of the prompts and lengths (default 0)")
+    bench.add_argument(
+        "--cold-start", action="store_true", help="instead: time fresh processes building the engine, by phase "
+        "(import, weights, kv_cache, cuda_graphs)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--repeat", type=int, default=3, help="with --cold-start: fresh processes, one after another (default 3)"
+    )
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(fn=cmd_bench)
 

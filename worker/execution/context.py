@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from engine import EngineConfig
+from engine.startup import process_start_time
 from worker.core.settings import ConfigError, Settings, redact_url
+from worker.execution.cold_start import ColdStart, ModelLoad
 from worker.execution.dependency_gate import DependencyGate
 from worker.execution.engine_host import EngineHost, HostStats
 from worker.execution.process_state import Phase, ProcessState
@@ -75,6 +78,10 @@ class WorkerContext:
     gate: DependencyGate = field(init=False, repr=False)
     state: ProcessState = field(default_factory=ProcessState, repr=False)
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The model's load (``host()``) and, once the worker is ready, its cold start by phase
+    # (``mark_ready``): the log line and ``conveyor_worker_cold_start_seconds`` read it.
+    model_load: ModelLoad | None = field(default=None, repr=False)
+    cold_start: ColdStart | None = field(default=None, repr=False)
     _host: EngineHost | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -115,8 +122,18 @@ class WorkerContext:
             if self._host is None or self._host.pid != os.getpid() or not self._host.alive:
                 assert self.host_factory is not None
                 log.info("loading model %s", self.checkpoint or self.model)
+                started = time.time()
                 self._host = self.host_factory()
+                self.model_load = ModelLoad(started, time.time(), None, self._host.startup)
             return self._host
+
+    def mark_ready(self) -> ColdStart:
+        """The worker is ready: measure its cold start (once) and log it."""
+        if self.cold_start is None:
+            started_at, source = process_start_time()
+            self.cold_start = ColdStart.measure(started_at, source, self.model_load, time.time())
+            log.info("conveyor worker: %s", self.cold_start.describe())
+        return self.cold_start
 
     @property
     def host_started(self) -> bool:

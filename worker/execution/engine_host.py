@@ -158,6 +158,12 @@ class EngineHost:
         """The engine's tokenizer (read-only use from other threads: decoding token ids)."""
         return self._engine.tokenizer
 
+    @property
+    def startup(self) -> Any:
+        """How long the engine took to build, by phase (``engine.StartupTimings``; None
+        for an engine that keeps none, such as a test's stand-in)."""
+        return getattr(self._engine, "startup", None)
+
     # ---- any thread -------------------------------------------------------------------
 
     def submit(

@@ -1,8 +1,9 @@
 """A worker process's metrics: what its shards stored (``item_metrics``), its engine now
-(``engine_collector``), the database's jobs and shards (``db_collector``), and the process
-itself (CPU, memory, file descriptors, GC), in one registry, served at ``/metrics`` while
-``CONVEYOR_METRICS_PORT`` is set (``conveyor worker --metrics-port``), beside the process's
-``/healthz`` and ``/readyz`` (``WorkerContext.liveness`` and ``readiness``).
+(``engine_collector``), its cold start (``cold_start_collector``), the database's jobs and
+shards (``db_collector``), and the process itself (CPU, memory, file descriptors, GC), in
+one registry, served at ``/metrics`` while ``CONVEYOR_METRICS_PORT`` is set (``conveyor
+worker --metrics-port``), beside the process's ``/healthz`` and ``/readyz``
+(``WorkerContext.liveness`` and ``readiness``).
 
 One worker process holds one engine and runs its shard tasks on threads (Celery's threads
 pool), so one process's registry sees all its work. A multi-process pool (prefork) would
@@ -13,6 +14,7 @@ with one (``broker/worker_process.py``).
 from __future__ import annotations
 
 from worker.execution.context import WorkerContext
+from worker.metrics.cold_start_collector import ColdStartCollector
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.engine_collector import EngineCollector
 from worker.metrics.item_metrics import ItemMetrics
@@ -30,6 +32,7 @@ class WorkerMetrics:
         self.registry = new_registry()
         self.items = ItemMetrics(self.registry, ctx.model)
         self.registry.register(EngineCollector(ctx.host_stats, ctx.model))
+        self.registry.register(ColdStartCollector(lambda: ctx.cold_start, ctx.model))
         self._db = metrics_db_engine(s.database)
         self.registry.register(
             DatabaseCollector(
