@@ -13,10 +13,11 @@ URLs may carry passwords: never log them raw. ``repr(settings)`` and
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -124,6 +125,18 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(4, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
+    # Weights from an object store (``--model s3://bucket/prefix/``): downloaded once into the
+    # model cache (default: $HF_HOME/conveyor-models when HF_HOME is set, else <home>/models)
+    # with ``model_download_threads`` parallel downloads, refused past ``model_max_files``
+    # files or ``model_max_bytes`` bytes (so a wrong prefix cannot fill the disk), and checked
+    # at each start: ``sha256`` re-hashes every cached file against the manifest written at
+    # download, ``size`` only compares sizes and modification times (faster for huge models).
+    model_cache: Path | None = None
+    model_max_files: int = Field(1000, ge=1, le=1_000_000)
+    model_max_bytes: int = Field(1024 * GiB, ge=1)
+    model_download_threads: int = Field(8, ge=1, le=64)
+    model_cache_verify: Literal["sha256", "size"] = "sha256"
+
     # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     broker_visibility_timeout: float = Field(3600.0, gt=0)
@@ -213,6 +226,16 @@ class Settings(BaseSettings):
     @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()
+
+    @property
+    def model_cache_dir(self) -> Path:
+        """Where ``s3://`` weights are downloaded (``CONVEYOR_MODEL_CACHE``)."""
+        if self.model_cache is not None:
+            return self.model_cache.expanduser().resolve()
+        hf_home = os.environ.get("HF_HOME")
+        if hf_home:
+            return Path(hf_home).expanduser().resolve() / "conveyor-models"
+        return self.home_dir / "models"
 
     @property
     def database(self) -> str:

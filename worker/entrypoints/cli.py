@@ -35,6 +35,7 @@ from worker.jobs.object_keys import InvalidJobId
 from worker.jobs.submission import SubmitError
 from worker.store.api_keys import KeyNameError, KeyNotFound, active_key_count, create_key, list_keys, revoke_key
 from worker.store.database import create_db_engine
+from worker.store.model_cache import fetch_model, is_model_uri
 from worker.store.models import JobStatus
 from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable
 from worker.store.schema import SchemaError, ensure_schema, upgrade_database
@@ -321,6 +322,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import TokenRange, format_result, run_bench  # the engine (see the module docstring)
 
     settings = load_settings()
+    if is_model_uri(args.model):  # weights in an object store: the local copy (downloaded once)
+        args.model = str(fetch_model(settings, args.model).path)
     if args.cold_start:
         return _bench_cold_start(settings, args)
     result = run_bench(
@@ -519,7 +522,7 @@ def _version() -> str:
 
 JOB_HELP = "the job id (batch_...), as submit printed it"
 JSON_HELP = "print the job object as JSON (OpenAI's batch object)"
-MODEL_HELP = "hub id (e.g. Qwen/Qwen3-0.6B) or local checkpoint directory"
+MODEL_HELP = "hub id (e.g. Qwen/Qwen3-0.6B), local checkpoint directory or s3://bucket/prefix/ (fetched once)"
 INPUT_HELP = "input file: OpenAI Batch JSONL, plain JSONL with a prompt or messages, CSV or Parquet"
 
 

@@ -34,6 +34,7 @@ from worker.jobs.model_names import canonical_model, check_served_name
 from worker.store.database import create_db_engine
 from worker.store.faults import DATABASE, STORAGE
 from worker.store.items import ItemRecord
+from worker.store.model_cache import fetch_model, is_model_uri
 from worker.store.objects.base import ObjectStore
 from worker.store.objects.factory import open_store_from_settings
 
@@ -81,6 +82,7 @@ class WorkerContext:
     # The model's load (``host()``) and, once the worker is ready, its cold start by phase
     # (``mark_ready``): the log line and ``conveyor_worker_cold_start_seconds`` read it.
     model_load: ModelLoad | None = field(default=None, repr=False)
+    model_download: float | None = field(default=None, repr=False)  # seconds fetching s3:// weights
     cold_start: ColdStart | None = field(default=None, repr=False)
     _host: EngineHost | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -110,8 +112,24 @@ class WorkerContext:
         ctx = cls(settings, db, store, canonical, **kwargs)
         if ctx.host_factory is None:
             config = engine_config(settings, ctx.checkpoint or ctx.model)  # fail now on bad engine args
-            ctx.host_factory = lambda: EngineHost.from_config(config, step_timeout=settings.step_timeout_seconds)
+            ctx.host_factory = lambda: EngineHost.from_config(
+                dataclasses.replace(config, model=ctx.local_checkpoint()), step_timeout=settings.step_timeout_seconds
+            )
         return ctx
+
+    def local_checkpoint(self) -> str:
+        """What the engine loads: the checkpoint or model as named, except weights in an
+        object store (``s3://...``), fetched into the model cache first (once per node)."""
+        name = self.checkpoint or self.model
+        if not is_model_uri(name):
+            return name
+        fetched = fetch_model(self.settings, name)
+        self.model_download = fetched.seconds
+        log.info(
+            "model %s: %s (%d files, %.1f MiB; %d fetched) at %s",
+            name, fetched.source, fetched.files, fetched.bytes / 2**20, fetched.downloaded_files, fetched.path,
+        )  # fmt: skip
+        return str(fetched.path)
 
     def host(self) -> EngineHost:
         """The process's engine host, loading the model on first use (once per process)."""
@@ -124,7 +142,7 @@ class WorkerContext:
                 log.info("loading model %s", self.checkpoint or self.model)
                 started = time.time()
                 self._host = self.host_factory()
-                self.model_load = ModelLoad(started, time.time(), None, self._host.startup)
+                self.model_load = ModelLoad(started, time.time(), self.model_download, self._host.startup)
             return self._host
 
     def mark_ready(self) -> ColdStart:

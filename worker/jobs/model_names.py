@@ -1,6 +1,7 @@
 """Model ids: canonical (a job and its workers agree on it) and broker-safe (a slug).
 
-A job names its model by hub id (``Qwen/Qwen3-0.6B``) or local directory. The id is made
+A job names its model by hub id (``Qwen/Qwen3-0.6B``), local directory or object-store
+prefix (``s3://bucket/prefix/``, which the worker downloads: ``store/model_cache.py``). The id is made
 canonical once (a local directory becomes its absolute path) so that ``submit`` and
 ``worker`` agree on it. Each model's queue is named from its slug, which keeps only characters
 every broker accepts (RabbitMQ, Redis, SQS: letters, digits, ``_`` and ``-``) plus a short
@@ -13,6 +14,7 @@ import hashlib
 import re
 from pathlib import Path
 
+from worker.store.model_cache import canonical_model_uri, is_model_uri
 from worker.store.models import MODEL_LEN
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -25,12 +27,21 @@ class InvalidModel(ValueError):
 
 
 def canonical_model(model: str) -> str:
-    """An existing local directory -> its absolute path; a hub id -> itself (checked)."""
+    """An existing local directory -> its absolute path; a hub id -> itself (checked); an
+    ``s3://bucket/prefix`` URI -> itself with one trailing slash."""
     if not isinstance(model, str) or not model.strip():
-        raise InvalidModel("the model must be a hub id (org/name) or a local directory")
+        raise InvalidModel("the model must be a hub id (org/name), a local directory or s3://bucket/prefix/")
     model = model.strip()
     if len(model) > MODEL_LEN:
         raise InvalidModel(f"the model id is longer than {MODEL_LEN} characters: {model[:80]}...")
+    if is_model_uri(model):  # weights in an object store: s3://bucket/prefix/, always with the slash
+        try:
+            uri = canonical_model_uri(model)
+        except ValueError as exc:
+            raise InvalidModel(str(exc)) from None
+        if len(uri) > MODEL_LEN:
+            raise InvalidModel(f"the model URI is longer than {MODEL_LEN} characters: {uri[:80]}...")
+        return uri
     path = Path(model).expanduser()
     try:
         is_dir, exists = path.is_dir(), path.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from worker.store.objects.base import (
@@ -93,6 +94,10 @@ class _S3Writer(ObjectWriter):
         self._buf.clear()
         if self._upload_id is not None:
             self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
+
+
+class ObjectChanged(RuntimeError):
+    """The object was replaced between its listing and its read."""
 
 
 def _error_code(exc: BaseException) -> str:
@@ -188,6 +193,16 @@ class _Client:
         return None
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the store's prefix), size and ETag (quoted,
+    as S3 gives it)."""
+
+    key: str
+    size: int
+    etag: str
+
+
 class S3Store(ObjectStore):
     """Objects in an S3 (or S3-compatible) bucket under ``prefix``."""
 
@@ -245,17 +260,39 @@ class S3Store(ObjectStore):
         return self._list(prefix)
 
     def _list(self, prefix: str) -> Iterator[str]:
+        return (info.key for info in self._list_info(prefix))
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Like ``list``, with each object's size and ETag (S3 only: what a download checks)."""
+        validate_prefix(prefix)
+        return self._list_info(prefix)
+
+    def _list_info(self, prefix: str) -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
         try:
             for page in pages:
                 for obj in page.get("Contents", ()):
-                    yield obj["Key"][len(base) :]
+                    yield ObjectInfo(obj["Key"][len(base) :], int(obj["Size"]), str(obj.get("ETag", "")))
         except Exception as exc:
             translated = self._client.translate(exc)
             if translated is None:
                 raise
             raise translated from None
+
+    def open_version(self, key: str, etag: str) -> tuple[BinaryIO, dict[str, Any]]:
+        """Read ``key`` only if its ETag is still ``etag`` (``ObjectChanged`` if it is not):
+        the stream and the response's headers (encryption, ETag)."""
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), IfMatch=etag)
+        except Exception as exc:
+            if _is_not_found(exc):
+                raise ObjectNotFound(f"no object {self.uri(key)}") from None
+            if _error_code(exc) in ("PreconditionFailed", "412"):
+                raise ObjectChanged(f"{self.uri(key)} changed since it was listed") from None
+            raise
+        meta = {k: v for k, v in resp.items() if k != "Body"}
+        return io.BufferedReader(_RawBody(resp["Body"], self._client), buffer_size=1 * MiB), meta
 
     def size(self, key: str) -> int:
         try:
