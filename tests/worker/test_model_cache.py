@@ -126,7 +126,7 @@ def test_a_corrupted_cached_file_is_detected_and_fetched_again(s3_client, s3_mod
     assert weights.read_bytes() == good
 
 
-def test_an_object_changed_in_the_store_is_fetched_again(s3_client, s3_bucket, s3_model, gets, tmp_path) -> None:
+def test_an_object_added_or_removed_in_the_store_is_followed(s3_client, s3_bucket, s3_model, gets, tmp_path) -> None:
     uri, _ = s3_model
     cache = _cache(tmp_path / "cache", s3_client)
     cache.fetch(uri)
@@ -134,6 +134,11 @@ def test_an_object_changed_in_the_store_is_fetched_again(s3_client, s3_bucket, s
     gets.clear()
     result = cache.fetch(uri)
     assert gets == ["notes.txt"] and (result.path / "notes.txt").read_bytes() == b"new"
+    s3_client.delete_object(Bucket=s3_bucket, Key="tiny/notes.txt")  # gone from the store: gone from the copy
+    gets.clear()
+    result = cache.fetch(uri)
+    assert gets == [] and not (result.path / "notes.txt").exists() and result.source == "download"
+    assert cache.fetch(uri).source == "cache"
 
 
 def test_two_starts_on_one_node_download_once(s3_client, s3_model, gets, tmp_path) -> None:

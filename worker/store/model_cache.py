@@ -222,11 +222,11 @@ class ModelCache:
             keep = self._reusable(final, old, listing) if old is not None and old.uri == m.uri else set()
             todo = [f for f in listing if f.rel not in keep]
             total = sum(f.info.size for f in listing)
-            if not todo:
+            if not todo and old is not None and set(old.files) == {f.rel for f in listing}:
                 return FetchResult(final, "cache", len(listing), total, seconds=time.perf_counter() - started)
             if keep:
-                log.warning("model %s: %d cached file(s) changed or failed verification: fetching them again", m.uri,
-                            len(todo))  # fmt: skip
+                log.warning("model %s: %d file(s) new, changed in the store or failing verification: fetching them",
+                            m.uri, len(todo))  # fmt: skip
             self._check_space(sum(f.info.size for f in todo))
             tmp = self.root / "tmp" / f"{m.dir_name}.{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
@@ -239,9 +239,8 @@ class ModelCache:
                         manifest.files[f.rel] = dict(old.files[f.rel])
                 log.info("downloading %d file(s), %.1f MiB, of %s into %s", len(todo),
                          sum(f.info.size for f in todo) / 2**20, m.uri, final)  # fmt: skip
-                with ThreadPoolExecutor(
-                    max_workers=min(self.threads, len(todo)), thread_name_prefix="conveyor-fetch"
-                ) as pool:
+                threads = max(1, min(self.threads, len(todo)))  # (none to fetch: a file was deleted upstream)
+                with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="conveyor-fetch") as pool:
                     for rel, entry in pool.map(lambda f: self._download(store, m, f, tmp), todo):
                         manifest.files[rel] = entry
                 manifest.write(tmp)
