@@ -42,7 +42,7 @@ def main() -> None:
         result = run_cold_start(model, engine_args=config, repeat=repeat)
         print(f"[{size}] " + format_cold_start(result))
         weights_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-        results["sizes"][size] = {"model": {**spec, "weights_bytes": weights_bytes}, **result.as_dict()}
+        results["sizes"][size] = {**result.as_dict(), "checkpoint": {**spec, "weights_bytes": weights_bytes}}
     if not args.quick:
         write_results("cold_start.json", results)
 
