@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
-from openai.types import Batch, BatchError, Completion
+from openai.types import Batch, BatchError, BatchRequestCounts, Completion
 from openai.types.chat import ChatCompletion
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
@@ -32,17 +33,27 @@ from worker.entrypoints.local_runner import run_job
 from worker.execution.context import WorkerContext
 from worker.execution.engine_host import RequestHandle
 from worker.execution.shard_runner import RetryShard, run_shard
+from worker.jobs.finalize import claim_finalization
+from worker.jobs.submission import SubmitOptions, create_job
+from worker.store.leases import acquire_lease, release_lease
+from worker.store.models import ShardStatus
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HOUR = 3600
 
 # Timestamps each status implies (OpenAI sets them on the way there).
 STAMPS = {
+    "validating": (),
     "in_progress": ("in_progress_at",),
+    "finalizing": ("in_progress_at", "finalizing_at"),
     "completed": ("in_progress_at", "finalizing_at", "completed_at"),
     "failed": ("failed_at",),
+    "cancelling": ("cancelling_at",),
     "cancelled": ("cancelling_at", "cancelled_at"),
+    "expired": ("expired_at",),
 }
+# Set once a job reaches that state, never before: each is set exactly when its status implies it.
+ENDS = ("cancelling_at", "completed_at", "failed_at", "expired_at", "cancelled_at")
 
 
 def check_batch(obj: dict[str, Any], status: str, *, window: str = "24h", window_s: int = 24 * HOUR) -> Batch:
@@ -63,9 +74,15 @@ def check_batch(obj: dict[str, Any], status: str, *, window: str = "24h", window
     assert counts.completed + counts.failed <= counts.total
     for name in STAMPS[status]:
         assert type(getattr(batch, name)) is int, name
-    assert batch.expired_at is None
+    for name in ENDS:
+        assert (getattr(batch, name) is not None) == (name in STAMPS[status]), name
+    if status == "validating":  # nothing read yet
+        assert batch.in_progress_at is None
+        assert batch.request_counts == BatchRequestCounts(total=0, completed=0, failed=0)
+    if status == "expired":
+        assert batch.expired_at is not None and batch.expired_at >= batch.expires_at
     # The files: named when they exist and hold lines; their URIs stay as extra fields.
-    finished = status in ("completed", "cancelled")
+    finished = status in ("completed", "cancelled", "expired")
     assert batch.output_file_id == (f"{batch.input_file_id}-results" if finished and counts.completed else None)
     assert batch.error_file_id == (f"{batch.input_file_id}-errors" if finished and counts.failed else None)
     assert (obj["output_uri"] is not None) == finished and (obj["error_uri"] is not None) == finished
@@ -120,6 +137,44 @@ def test_status_json_validates_as_an_openai_batch_in_every_state(embedded_stack,
         assert obj["errors"]["data"][0].keys() == {"code", "message", "param", "line"}
     assert main(["submit", str(empty), "--model", stack.model]) == 1
     assert "failed" in (err := capsys.readouterr().err) and "no requests" in err
+
+
+def test_transient_and_expired_states_validate_as_openai_batches(embedded_stack, env, capsys) -> None:
+    """The states a job passes through (``validating``, ``cancelling``, ``finalizing``) and
+    ``expired``, each reached through the real control plane and read with ``status --json``."""
+    stack = env(embedded_stack.with_values(min_completion_window_seconds=1))
+
+    def status(job_id: str) -> dict[str, Any]:
+        return _cli_json(capsys, ["status", job_id, "--json"])
+
+    with Client(stack.settings) as client:
+        # validating: an input already in the store (an upload) that no worker has read yet.
+        client.store.put_bytes("uploads/in.jsonl", jsonl(openai_lines(2)))
+        uri = client.store.uri("uploads/in.jsonl")
+        job, _ = create_job(client.db, client.store, client.settings, uri, SubmitOptions(model=stack.model))
+        check_batch(job, "validating")
+        check_batch(status(job["id"]), "validating")
+
+        # cancelling: cancelled while a worker holds a shard's lease (it must stop first).
+        job = client.submit(jsonl(openai_lines(4)), stack.model, shard_size=2, enqueue=False)
+        assert acquire_lease(client.db, job["id"], 0, "worker-a", ttl=60)
+        check_batch(_cli_json(capsys, ["cancel", job["id"], "--json"]), "cancelling")
+        check_batch(status(job["id"]), "cancelling")
+
+        # finalizing: every shard done, a finaliser has claimed the job and not yet ended it.
+        job = client.submit(jsonl(openai_lines(2)), stack.model, enqueue=False)
+        assert acquire_lease(client.db, job["id"], 0, "worker-a", ttl=60)
+        assert release_lease(client.db, job["id"], 0, "worker-a", ShardStatus.completed)
+        assert claim_finalization(client.db, job["id"])
+        check_batch(status(job["id"]), "finalizing")
+
+        # expired: its window passed with nothing run; every request is a batch_expired error.
+        job = client.submit(jsonl(openai_lines(3)), stack.model, completion_window="1s", enqueue=False)
+        time.sleep(max(0.0, job["expires_at"] + 1 - time.time()))
+        expired = check_batch(status(job["id"]), "expired", window="1s", window_s=1)
+        assert expired.request_counts == BatchRequestCounts(total=3, completed=0, failed=3)
+        assert expired.output_file_id is None and expired.error_file_id is not None
+        check_batch(client.status(job["id"]), "expired", window="1s", window_s=1)
 
 
 def test_completion_window_is_recorded_with_its_expiry(embedded_stack, env, tmp_path, capsys, monkeypatch) -> None:
