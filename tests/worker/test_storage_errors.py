@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from sqlalchemy import func, select
@@ -90,18 +91,27 @@ def test_reachability_problems_are_transient_and_configuration_ones_are_not(
     assert unreachable.value.transient
 
 
-def test_a_worker_with_a_missing_bucket_refuses_to_start(tiny_model, tmp_path, aws_env) -> None:
-    """It says why and exits before consuming anything (no model load, no queue)."""
+@pytest.mark.parametrize("broken_store", ["missing bucket", "no credentials", "unreachable endpoint"], indirect=True)
+def test_a_worker_with_a_storage_mistake_refuses_to_start(broken_store, tiny_model, tmp_path) -> None:
+    """It names the problem and the setting to fix, and exits at once, before consuming
+    anything (no model load, no queue): an unreachable endpoint is not retried at start."""
+    url, words = broken_store
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env.update(CONVEYOR_HOME=str(tmp_path / "home"), CONVEYOR_STORAGE_URL="s3://no-such-bucket-here/c")
+    env.update(CONVEYOR_HOME=str(tmp_path / "home"), CONVEYOR_STORAGE_URL=url)
+    t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "worker.entrypoints.cli", "worker", "--model", tiny_model],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=120,  # a worker that retried forever would end the test here
     )
+    elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stderr
-    assert "conveyor: error: the bucket 'no-such-bucket-here' does not exist" in proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("conveyor: error: ") and "\n" not in err, err
+    for word in words:
+        assert word in err, err
     assert "Traceback" not in proc.stderr and "celery@" not in proc.stderr
+    assert elapsed < 60, f"the worker took {elapsed:.0f} s to refuse"
