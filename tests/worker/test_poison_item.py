@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from tests.worker.helpers import jsonl, openai_lines, parse_lines
+from tests.worker.test_openai_compat import check_output_line
 from worker.entrypoints.client import Client
 from worker.execution.engine_host import HUNG_EXIT_CODE
 from worker.store.database import create_db_engine
@@ -60,12 +61,19 @@ def test_a_poison_item_becomes_one_error_and_everything_else_completes(
     job = client.status(job_id)
     assert job["status"] == "completed", job
     assert job["request_counts"] == {"total": n, "completed": n - 1, "failed": 1}
-    errors = parse_lines(client.results(job_id, errors=True))
+    raw = client.results(job_id, errors=True)
+    assert not isinstance(raw, int)  # (an int only when written to a file)
+    error_lines = list(raw)
+    errors = parse_lines(error_lines)
     assert [e["custom_id"] for e in errors] == [f"req-{bad}"]
-    # It ran and failed, so OpenAI's format puts it in a 5xx response, with error null.
+    # It ran and the server failed it: OpenAI's format gives an HTTP response (status 500, a
+    # body with a server_error), and error null (kept for requests that got no response).
     (crashed,) = errors
-    assert crashed["error"] is None and crashed["response"]["status_code"] == 500
-    assert crashed["response"]["body"]["error"]["code"] == "worker_crashed"
+    line = check_output_line(error_lines[0], results=False)  # the strict line model, SDK-typed body
+    assert line.error is None and line.response is not None and line.response.status_code == 500
+    body = line.response.body["error"]
+    assert (body["type"], body["code"], body["param"]) == ("server_error", "worker_crashed", None)
+    assert body["message"], crashed
     ids = [r["custom_id"] for r in parse_lines(client.results(job_id))]
     assert ids == [f"req-{i}" for i in range(n) if i != bad]  # each other item once, in order
     db = create_db_engine(stack.settings.database)
