@@ -145,3 +145,22 @@ def test_ctrl_c_during_run_names_the_job_and_how_to_get_what_finished(embedded_s
         if proc.poll() is None:
             proc.kill()
         client.close()
+
+
+def test_debug_shows_the_traceback_behind_a_one_line_error(tmp_path) -> None:
+    """Errors are one line; ``--debug`` (named in the README) raises them with their traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env["CONVEYOR_HOME"] = str(tmp_path / "home")
+    missing = "batch_" + "0" * 32
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "worker.entrypoints.cli", *args]
+        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+    plain = cli("status", missing)
+    assert plain.returncode == 1 and plain.stderr == f"conveyor: error: no job {missing}\n", plain.stderr
+    debug = cli("--debug", "status", missing)
+    assert debug.returncode == 1, debug.stderr
+    assert debug.stderr.startswith("Traceback (most recent call last):"), debug.stderr
+    assert f"JobNotFound: no job {missing}" in debug.stderr
+    assert "`--debug`" in (REPO / "README.md").read_text()
