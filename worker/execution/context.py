@@ -142,7 +142,8 @@ class WorkerContext:
                 log.info("loading model %s", self.checkpoint or self.model)
                 started = time.time()
                 self._host = self.host_factory()
-                self.model_load = ModelLoad(started, time.time(), self.model_download, self._host.startup)
+                startup = getattr(self._host, "startup", None)  # (a test's stand-in host keeps none)
+                self.model_load = ModelLoad(started, time.time(), self.model_download, startup)
             return self._host
 
     def mark_ready(self) -> ColdStart:
