@@ -6,5 +6,15 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.startup import StartupTimings
+from engine.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams", "StartupTimings"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StartupTimings",
+    "StructuredOutputs",
+]

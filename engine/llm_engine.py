@@ -24,6 +24,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.startup import StartupTimings, sync
+from engine.structured_outputs import StructuredOutputManager, check_tools
 from engine.text_checks import check_text, check_texts
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = self.spec.vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.sampler.structured = self.structured
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -152,6 +155,7 @@ class LLMEngine:
                 f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
                 f"tokens{budget}) to leave room for one generated token"
             )
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
@@ -182,6 +186,7 @@ class LLMEngine:
                         else None
                     ),
                     prompt_text=text,
+                    grammar=grammar.matcher() if grammar is not None else None,
                 )
             )
         self._groups[request_id] = children
@@ -195,8 +200,11 @@ class LLMEngine:
             if len(keys) != 1:
                 raise ValueError("a dict prompt needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
             key = keys.pop()
+            tools = prompt.get("tools")
+            if tools is not None and key != "messages":
+                raise ValueError("tools go with messages (the chat template renders them)")
             if key == "messages":
-                text = self._apply_chat_template(prompt["messages"])
+                text = self._apply_chat_template(prompt["messages"], tools)
                 return self._encode(text, "messages", add_special_tokens=False), text
             prompt = prompt[key]
         if isinstance(prompt, str):
@@ -222,7 +230,7 @@ class LLMEngine:
             raise ValueError(f"the {field} encodes to no tokens")
         return ids
 
-    def _apply_chat_template(self, messages: Any) -> str:
+    def _apply_chat_template(self, messages: Any, tools: Any = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -236,8 +244,11 @@ class LLMEngine:
             check_texts(m, f"messages[{i}]")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        checked: list[Any] | None = check_tools(tools) if tools else None
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=checked, tokenize=False, add_generation_prompt=True
+            )
         except Exception as exc:  # template errors come in many types
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
         assert isinstance(text, str)  # tokenize=False: the rendered text
@@ -297,6 +308,8 @@ class LLMEngine:
         if logprobs is not None and req.logprobs is not None:
             req.logprobs.append(logprobs)
         status = req.check_stop(token)
+        if req.grammar is not None and req.grammar.accept(token) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         detok = req.detokenizer
         stop_str = detok.add(token) if detok is not None else None
         if stop_str is not None:

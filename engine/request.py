@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.structured_outputs import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Request:
         "error",
         "final_text",
         "generator",
+        "grammar",
         "index",
         "logprobs",
         "max_total_tokens",
@@ -86,6 +88,7 @@ class Request:
         generator: torch.Generator | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         prompt_text: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -119,6 +122,7 @@ class Request:
         self.generator = generator
         self.detokenizer = detokenizer  # None: the text is decoded once, when finished
         self.final_text: str | None = None
+        self.grammar = grammar  # the structured-output matcher, fed every kept token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Chained hashes of this request's full KV blocks, filled lazily by the KV cache.
         self.block_hashes: list[bytes] = []

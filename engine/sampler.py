@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.structured_outputs import StructuredOutputManager
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.structured: StructuredOutputManager | None = None  # set by the engine
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         logits = logits.float()
@@ -37,6 +39,8 @@ class Sampler:
             logits = self._bias_and_hold(logits, reqs, biased, held)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, reqs)
+        if self.structured is not None and any(r.grammar is not None for r in reqs):
+            logits = self.structured.apply_masks(logits, reqs)
         tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
         token_list = tokens.tolist()
         logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.structured_outputs import StructuredOutputs
 from engine.text_checks import check_text
 
 # Limits on user-supplied sizes and counts.
@@ -54,6 +56,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     stream: bool = True
+    # Constrained decoding (JSON Schema, regex, choice, grammar); a dict of its fields is taken too.
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +91,7 @@ class SamplingParams:
         for t in ids:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
+        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

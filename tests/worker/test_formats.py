@@ -210,7 +210,7 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
             "top_logprobs",
         ),
         (chat_line(stream=True), "unsupported", "cannot stream"),
-        (chat_line(tools=[{}]), "unsupported", "tool calling"),
+        (chat_line(tools=[{}]), "invalid_value", "tools[0] must be"),
         (chat_line(max_token=5), "unknown_parameter", "max_token"),
         ({"text": "no prompt here"}, "missing_prompt", "no prompt or messages"),
         ({"prompt": 42}, "invalid_value", "prompt must be"),

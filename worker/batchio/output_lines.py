@@ -34,6 +34,8 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    # A chat answer's tool calls (OpenAI's ``tool_calls``); its content is then ``text`` or null.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def stable_id(prefix: str, *parts: str) -> str:
@@ -68,7 +70,7 @@ def response_body(
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "message": _message(c),
                     "logprobs": c.logprobs,
                     "finish_reason": c.finish_reason,
                 }
@@ -89,6 +91,12 @@ def response_body(
             "usage": usage,
         }
     raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
+
+
+def _message(c: Choice) -> dict[str, Any]:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text, "refusal": None}
+    return {"role": "assistant", "content": c.text or None, "refusal": None, "tool_calls": c.tool_calls}
 
 
 def output_line(job_id: str, custom_id: str, body: dict[str, Any], status_code: int = 200) -> dict[str, Any]:

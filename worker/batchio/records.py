@@ -25,6 +25,7 @@ from worker.batchio.request_body import (
     sampling_from_body,
     shown,
 )
+from worker.batchio.tools import ToolRequest, apply_tools
 from worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
 
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
@@ -63,6 +64,7 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
     echo: bool = False  # completions: the prompt goes in front of the text
+    tools: ToolRequest | None = None  # a chat request's tools and tool_choice
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
@@ -74,6 +76,8 @@ class ParsedRequest:
         data["sampling"] = self.sampling
         if self.echo:  # only when set: shard files written before it read back the same
             data["echo"] = True
+        if self.tools is not None:
+            data["tools"] = self.tools.to_json()
         return data
 
     @classmethod
@@ -89,6 +93,7 @@ class ParsedRequest:
             prompt=data.get("prompt"),
             messages=data.get("messages"),
             echo=data.get("echo", False) is True,
+            tools=ToolRequest.from_json(data["tools"]) if data.get("tools") else None,
         )
 
 
@@ -162,7 +167,8 @@ def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedReque
             raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
         messages = parse_messages(body["messages"], limits)
         sampling = sampling_from_body(body, endpoint, limits, strict=strict)
-        return ParsedRequest(line, custom_id, endpoint, sampling, messages=messages)
+        tools = apply_tools(body, sampling, limits)
+        return ParsedRequest(line, custom_id, endpoint, sampling, messages=messages, tools=tools)
     if "prompt" not in body:
         what = "a completions request needs a prompt" if strict else "no prompt or messages field"
         raise InvalidRequest("missing_prompt", what, "prompt")

@@ -11,10 +11,11 @@ not sampling: ``echo_from_body`` reads it. Every user-controlled size is bounded
 from __future__ import annotations
 
 import re
-import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from worker.batchio import response_format as formats
+from worker.batchio.body_errors import InvalidRequest, shown
 from worker.core.limits import InputLimits
 
 CHAT = "/v1/chat/completions"
@@ -23,25 +24,6 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_SEED = 2**63 - 1
-
-
-class InvalidRequest(ValueError):
-    """A request the worker cannot run; ``code`` is machine-readable, ``param`` the field."""
-
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-_SHOWN = reprlib.Repr()  # bounded in length and depth: a value can be deeply nested
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 60, 60, 40
-
-
-def shown(value: Any) -> str:
-    """A short repr of a user's value for an error message."""
-    return _SHOWN.repr(value)
 
 
 def _invalid(param: str, what: str, value: Any) -> InvalidRequest:
@@ -162,7 +144,6 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
     "stream": lambda v: v is False,
     "echo": lambda v: v is False,  # chat (completions take it: see the loop)
     "suffix": lambda v: v == "",
-    "response_format": lambda v: v == {"type": "text"},
     "parallel_tool_calls": lambda v: isinstance(v, bool),
     "tool_choice": lambda v: v == "none",
     "tools": lambda v: v == [],
@@ -170,13 +151,17 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
 
 _UNSUPPORTED_HINT = {
     "stream": "batch requests cannot stream",
-    "tools": "tool calling is not supported",
+    "tools": "tools are supported on /v1/chat/completions only",
     "functions": "function calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "response_format": "only the text response format is supported",
+    "tool_choice": "tools are supported on /v1/chat/completions only",
     "echo": "echo is a completions parameter",
     "suffix": "suffix (text after the completion, for insertion) needs a fill-in-the-middle model",
 }
+
+
+# A chat request's tool fields, read by ``worker.batchio.tools`` (for completions they are
+# accepted only when they ask for nothing, as in ``_IGNORED``).
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _max_tokens(body: Mapping[str, Any], limits: InputLimits) -> int:
@@ -211,6 +196,18 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
             sampling["logprobs"] = _int("logprobs", value, 0, limits.max_logprobs)
         elif name == "echo" and not chat:
             _bool("echo", value)  # not sampling: echo_from_body
+        elif name in ("response_format", "structured_outputs"):
+            constraint = (formats.response_format if name == "response_format" else formats.structured_outputs)(
+                value, limits
+            )
+            if constraint is not None:
+                if "structured_outputs" in sampling:
+                    raise InvalidRequest(
+                        "invalid_request", "give response_format or structured_outputs, not both", name
+                    )
+                sampling["structured_outputs"] = constraint
+        elif name in _TOOL_FIELDS and chat:
+            continue  # read by worker.batchio.tools
         elif name == "best_of" and not chat:
             if value != body.get("n", 1):
                 raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")

@@ -39,6 +39,12 @@ class InputLimits:
     # logit_bias entries: OpenAI's API reference states no bound; its API refuses more than 300.
     max_logit_bias: int = 300
     max_messages: int = 1024
+    # Structured outputs and tools: a JSON Schema (response_format, a tool's parameters, all
+    # of a request's tools together) as compact JSON, its nesting, a choice's entries, tools.
+    max_schema_bytes: int = 64 * KiB
+    max_schema_depth: int = 32
+    max_choices: int = 256
+    max_tools: int = 128
 
 
 DEFAULT_LIMITS = InputLimits()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from engine import RequestOutput, SamplingParams
 from worker.batchio.output_lines import Choice, response_body, stable_id
 from worker.batchio.records import ParsedRequest
 from worker.batchio.request_body import CHAT
+from worker.batchio.tools import ToolRequest, answer
 from worker.execution.engine_host import Completion
 from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
@@ -38,7 +40,7 @@ class ItemContext:
 def engine_prompt(req: ParsedRequest) -> Any:
     """The prompt in the form ``LLMEngine.add_request`` takes."""
     if req.messages is not None:
-        return {"messages": req.messages}
+        return {"messages": req.messages, "tools": req.tools.tools} if req.tools else {"messages": req.messages}
     return req.prompt
 
 
@@ -92,6 +94,8 @@ def completion_record(
         )
         for o in outputs
     ]
+    if req.tools is not None:
+        choices = tool_choices(ctx.job_id, req.custom_id, req.tools, choices)
     first = outputs[0]
     prompt_tokens = len(first.prompt_token_ids)
     completion_tokens = sum(len(o.token_ids) for o in outputs)
@@ -139,6 +143,20 @@ def _echoed_prompt(req: ParsedRequest, out: RequestOutput, decode: Decode | None
     if decode is None:
         raise ValueError("echo of a token-id prompt needs a decode function")
     return decode(out.prompt_token_ids)
+
+
+def tool_choices(job_id: str, custom_id: str, tools: ToolRequest, choices: list[Choice]) -> list[Choice]:
+    """The choices of a request with tools, with the calls each one made (ids are stable:
+    a redelivered shard writes the same lines)."""
+    out = []
+    for i, c in enumerate(choices):
+
+        def call_id(k: int, i: int = i) -> str:
+            return stable_id("call_", job_id, custom_id, str(i), str(k))
+
+        a = answer(tools, c.text, c.finish_reason, call_id)
+        out.append(dataclasses.replace(c, text=a.content or "", finish_reason=a.finish_reason, tool_calls=a.tool_calls))
+    return out
 
 
 def _logprobs(endpoint: str, out: RequestOutput, top: int, token_text: TokenText) -> dict[str, Any] | None:
