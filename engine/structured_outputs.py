@@ -361,5 +361,10 @@ class GrammarStats:
 
 
 def _first_line(error: object) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else "unknown error"
+    """A library's error on one line: its first line and the ``error:`` lines of a regex
+    parser's report (not its source excerpts)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    kept = [lines[0]] + [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(kept)[:500]
