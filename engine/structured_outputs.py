@@ -16,6 +16,7 @@ more text (the request finishes ``stop``); while the grammar is incomplete EOS i
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from engine.text_checks import check_text
@@ -322,7 +324,6 @@ class StructuredOutputManager:
         rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return logits
-        width = logits.shape[1]
         words = (self.ll_tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
         row_bytes = words * 4
@@ -333,16 +334,31 @@ class StructuredOutputManager:
             for j, (_, g) in enumerate(rows):
                 g.matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
         self.stats.masks += len(rows)
-        dev = logits.device
-        shifts = self._shifts.get(dev)
-        if shifts is None:
-            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        bits = (bitmask.to(dev).unsqueeze(-1) >> shifts) & 1
-        allowed = bits.view(len(rows), -1)[:, :width].bool()
-        if allowed.shape[1] < width:  # logits wider than the grammar's vocabulary: never those
-            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
-        index = torch.tensor([i for i, _ in rows], device=dev)
-        return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+        forbidden = self._forbidden(bitmask, [i for i, _ in rows], logits.shape, logits.device)
+        return logits.masked_fill(forbidden, -math.inf)
+
+    def _forbidden(self, bitmask: torch.Tensor, index: list[int], shape: torch.Size, dev: torch.device) -> torch.Tensor:
+        """The (batch, vocab) bool tensor of forbidden tokens: the bitmask's 0 bits on its rows
+        (unpacked where the logits are: numpy on CPU, shifts on an accelerator), the columns
+        past the grammar's vocabulary on them too, nothing on the other rows."""
+        batch, width = shape
+        if dev.type == "cpu":
+            unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+            rows = torch.from_numpy(unpacked[:, :width] == 0)
+        else:
+            shifts = self._shifts.get(dev)
+            if shifts is None:
+                shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+            bits = (bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> shifts) & 1
+            rows = bits.view(len(index), -1)[:, :width] == 0
+        if rows.shape[1] < width:  # logits wider than the grammar's vocabulary: never those
+            rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=True)
+        rows = rows.to(dev)
+        if len(index) == batch:  # every row constrained (index is then 0..batch-1)
+            return rows
+        forbidden = torch.zeros(shape, dtype=torch.bool, device=dev)
+        forbidden[torch.tensor(index, device=dev)] = rows
+        return forbidden
 
     @property
     def executor(self) -> llguidance.LLExecutor:
