@@ -150,6 +150,11 @@ HUGE = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLe
         ),
         (chat_line(tools=[WEATHER], parallel_tool_calls="yes"), "invalid_value", "parallel_tool_calls"),
         (batch_line(url=COMPLETIONS, body={"prompt": "p", "tools": [WEATHER]}), "unsupported", "chat/completions only"),
+        (
+            chat_line(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]),
+            "unsupported",
+            "past tool_calls",
+        ),
     ],
 )
 def test_bad_structured_bodies_are_line_errors(line, code: str, words: str) -> None:

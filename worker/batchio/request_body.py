@@ -262,6 +262,10 @@ def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, str]]:
             if role == "tool":
                 raise InvalidRequest("unsupported", f"{where}: tool messages are not supported", f"{where}.role")
             raise _invalid(f"{where}.role", "one of system, developer, user, assistant", role)
+        if msg.get("tool_calls"):  # dropping them would misstate the conversation to the model
+            raise InvalidRequest(
+                "unsupported", f"{where}: an assistant's past tool_calls are not supported", f"{where}.tool_calls"
+            )
         out.append({"role": _ROLES[role], "content": _content(f"{where}.content", msg.get("content"), role)})
     return out
 
