@@ -1,5 +1,6 @@
 """The Llama family forward pass (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)
 over a flat, unpadded batch of tokens, attention through an ``engine.attention`` backend.
+Other families reuse these layers (``engine.models.registry`` lists them).
 
 Q/K/V and gate/up projections are fused into one matmul each at load time. RMSNorm and
 SiLU-and-mul are the kernels' torch references (``kernels.reference``), which follow
@@ -32,14 +33,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to ``max_len``, computed once in float32."""
+    """cos/sin for every position up to ``max_len``, computed once in float32. With a partial
+    rotary factor only the first ``rotary_dim`` dims of each head turn; the rest pass through."""
 
-    cos: torch.Tensor  # buffers, [max_len, head_dim]
+    cos: torch.Tensor  # buffers, [max_len, rotary_dim]
     sin: torch.Tensor
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        inv_freq, scaling = spec.rope_inv_freq()
+        inv_freq, scaling = spec.rope_inv_freq(max_len)
+        self.rotary_dim = spec.rotary_dim
+        self.partial = self.rotary_dim < spec.head_dim
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype=dtype, device=device), persistent=False)
@@ -48,7 +52,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:
+            return _rotate_partial(q, cos, sin, self.rotary_dim), _rotate_partial(k, cos, sin, self.rotary_dim)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

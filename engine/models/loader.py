@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
+from engine.models.registry import model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 # Tensors some checkpoints carry that the forward pass recomputes.
@@ -58,7 +59,7 @@ def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, de
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights")
-    model = LlamaForCausalLM(spec, max_len, dtype, device)
+    model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
     for file in files:

@@ -14,14 +14,23 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str
+    architecture: str  # the ``SUPPORTED_ARCHITECTURES`` key whose forward pass runs it
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,6 +42,7 @@ class ModelSpec:
     max_position_embeddings: int
     rope_theta: float
     rope_scaling: dict = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # RoPE turns the first ``head_dim * this`` dims only
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -56,6 +66,7 @@ class ModelSpec:
     def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
         gen = gen or {}
         model_type = cfg.get("model_type")
+        architecture = _architecture(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
@@ -63,15 +74,16 @@ class ModelSpec:
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        theta, scaling = _rope(cfg)
+        theta, scaling, partial = _rope(cfg)
         sliding = None
-        if cfg.get("sliding_window") and (model_type == "mistral" or cfg.get("use_sliding_window")):
+        if cfg.get("sliding_window") and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
             sliding = int(cfg["sliding_window"])
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
             model_type=model_type,
+            architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
@@ -83,8 +95,9 @@ class ModelSpec:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_theta=theta,
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2" or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
             o_bias=model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -93,19 +106,44 @@ class ModelSpec:
             eos_token_ids=eos_ids,
         )
 
-    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies and the attention scaling factor for the configured RoPE."""
-        dim = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        kind = self.rope_scaling.get("rope_type", "default")
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def rope_inv_freq(self, max_len: int) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies (``rotary_dim / 2``) and the attention scaling factor (cos and
+        sin are multiplied by it) for the configured RoPE, for sequences up to ``max_len``."""
+        dim = self.rotary_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        s = self.rope_scaling
+        kind = s.get("rope_type", "default")
+        if kind == "longrope":
+            return _longrope_inv_freq(exponents, self.rope_theta, s, max_len)
+        inv_freq = 1.0 / (self.rope_theta**exponents)
         if kind == "linear":
-            inv_freq = inv_freq / self.rope_scaling["factor"]
+            inv_freq = inv_freq / s["factor"]
         elif kind == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, s)
         return inv_freq, 1.0
 
 
-def _rope(cfg: dict) -> tuple[float, dict]:
+def _architecture(cfg: dict) -> str:
+    """The supported architecture a config names (its ``architectures``, else its model_type's)."""
+    names = cfg.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    if names:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"architecture {', '.join(map(str, names))} is not supported; supported: {supported}")
+    by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+    return by_type.get(str(cfg.get("model_type")), "")  # "" only for an unsupported model_type, refused next
+
+
+def _rope(cfg: dict) -> tuple[float, dict, float]:
+    """RoPE's base, its scaling parameters (``rope_type`` always set; for longrope, with
+    ``original_max_position_embeddings``, ``factor`` and ``attention_factor`` resolved as
+    transformers resolves them) and the partial rotary factor."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params:  # transformers 5.x
         scaling = dict(params)
@@ -113,11 +151,38 @@ def _rope(cfg: dict) -> tuple[float, dict]:
     else:  # transformers 4.x
         theta = cfg.get("rope_theta", 10000.0)
         scaling = dict(cfg.get("rope_scaling") or {})
+    partial = float(scaling.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
     kind = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    if kind in ("su", "yarn") and cfg.get("model_type") == "phi3":  # Phi-3's old names for longrope
+        kind = "longrope"
     scaling["rope_type"] = kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    return float(theta), scaling
+    if kind == "longrope":
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError("longrope scaling needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original = int(original)
+        # Phi-3 gives no factor: the ratio of the context lengths is the factor.
+        factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+        scaling["factor"] = factor
+        if scaling.get("attention_factor") is None:
+            scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return float(theta), scaling, partial
+
+
+def _longrope_inv_freq(exponents: torch.Tensor, theta: float, s: dict, max_len: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE: the base frequencies divided by per-dimension factors, the long ones when
+    sequences may grow past the original context, else the short ones.
+
+    transformers picks the set per forward call (long once that call's last position passes
+    the original context), which would leave keys of both kinds in one sequence's cache and
+    makes a prefix-cached block's keys depend on who computed them. One set per engine, chosen
+    by its ``max_len`` (as vLLM does), keeps every cached key valid; it matches transformers
+    token for token whenever every sequence stays on one side of the original context."""
+    long = max_len > s["original_max_position_embeddings"]
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * theta**exponents), float(s["attention_factor"])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

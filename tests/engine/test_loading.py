@@ -4,6 +4,7 @@ and clear errors for what cannot be loaded."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -11,9 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.model_config import ModelSpec
+from engine.models.llama import LlamaForCausalLM
+from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
+from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.registry import MODEL_CLASSES, model_class
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,11 +72,42 @@ def test_unsupported_architectures_and_rope_are_refused(tiny_models, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         ModelSpec.from_dicts({**cfg, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match=r"architecture GemmaForCausalLM is not supported; supported: Llama.*Phi3"):
+        ModelSpec.from_dicts({**cfg, "architectures": ["GemmaForCausalLM"]})
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
         ModelSpec.from_dicts({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
     (path / "config.json").unlink()
     with pytest.raises(ValueError, match=r"has no config\.json"):
         LLMEngine(EngineConfig(str(path), device="cpu"))
+
+
+def test_the_registry_has_a_forward_pass_for_each_supported_architecture(tiny_models):
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    cfg = json.loads((Path(tiny_models("llama")) / "config.json").read_text())
+    # The architectures entry picks the forward pass; without one the model_type does.
+    assert model_class(ModelSpec.from_dicts(cfg)) is LlamaForCausalLM
+    phi3 = ModelSpec.from_dicts({**cfg, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+    assert model_class(phi3) is Phi3ForCausalLM
+    assert ModelSpec.from_dicts({**cfg, "model_type": "phi3", "architectures": None}).architecture == "Phi3ForCausalLM"
+
+
+def test_phi3_longrope_config_is_resolved_as_transformers_does(tiny_models):
+    legacy = {  # a Phi-3 128k config.json: no factor, the original context beside the rope dict
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        **{"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1},
+        **{"num_attention_heads": 4, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096},
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 6, "long_factor": [4.0] * 6},
+    }
+    spec = ModelSpec.from_dicts(legacy)
+    s = spec.rope_scaling
+    assert (s["rope_type"], s["original_max_position_embeddings"], s["factor"]) == ("longrope", 4096, 32.0)
+    assert s["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert spec.rotary_dim == 12
+    short, scale = spec.rope_inv_freq(4096)
+    long, _ = spec.rope_inv_freq(4097)
+    assert short.shape == (6,) and torch.allclose(short, long * 4) and scale == s["attention_factor"]
 
 
 def test_both_config_spellings_and_generation_config_eos(tiny_models):

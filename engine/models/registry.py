@@ -1,0 +1,25 @@
+"""Which forward pass runs which architecture: the checkpoint's ``architectures`` entry (read
+into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) picks the class."""
+
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
+from engine.models.phi3 import Phi3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+}
+
+
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
+    cls = MODEL_CLASSES.get(spec.architecture)
+    if cls is None:
+        raise ValueError(
+            f"architecture {spec.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return cls
