@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -60,7 +60,7 @@ def build_tokenizer(path: str | Path, family: str = "llama", vocab_size: int = 5
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    llama_like = family in ("llama", "mistral")
+    llama_like = family in ("llama", "mistral", "phi3")
     if llama_like:  # these families put BOS in front of every encoded text
         bos = tok.token_to_id("<s>")
         tok.post_processor = processors.TemplateProcessing(
@@ -93,6 +93,7 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool | None = None,
     rope_scaling: dict | None = None,
+    partial_rotary_factor: float | None = None,
     legacy_config: bool = False,
     init_std: float = 0.5,
 ) -> Path:
@@ -115,6 +116,7 @@ def build_tiny_model(
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(
@@ -133,10 +135,17 @@ def build_tiny_model(
     )
     if head_dim is not None or family == "qwen3":
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
+    if partial_rotary_factor is not None:
+        kwargs["partial_rotary_factor"] = partial_rotary_factor
+    if family == "phi3" and rope_scaling and "original_max_position_embeddings" in rope_scaling:
+        # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
+        kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
     config = config_cls(**kwargs)
     if rope_scaling:
+        if partial_rotary_factor is not None:
+            rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
         _set_rope(config, rope_scaling)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()  # (the dtype kwarg is spelt differently in 4.x)
@@ -155,7 +164,8 @@ def build_tiny_model(
 def _set_rope(config, rope_scaling: dict) -> None:
     if hasattr(config, "rope_parameters") and isinstance(config.rope_parameters, dict):
         theta = config.rope_parameters.get("rope_theta", 10000.0)
-        config.rope_parameters = {**rope_scaling, "rope_theta": theta}
+        # (over the defaults the config class filled in, such as Phi-3's partial_rotary_factor)
+        config.rope_parameters = {**config.rope_parameters, **rope_scaling, "rope_theta": theta}
     else:  # transformers 4.x
         config.rope_scaling = dict(rope_scaling)
 

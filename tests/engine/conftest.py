@@ -8,6 +8,27 @@ import torch
 from engine import LLM
 from tests.engine.reference import HFReference
 
+# Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
+# max_position_embeddings 512 over 128 makes the factor 4 (attention factor ~1.13).
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+    "long_factor": [2.0 + 1.5 * i for i in range(8)],
+    "original_max_position_embeddings": 128,
+}
+# A model name the correctness tests take -> (family, build_tiny_model's kwargs, the engine's
+# kwargs). Other names are a family with its defaults. ``phi3-longrope`` keeps the engine
+# inside the original context (max_model_len 128), where transformers uses the short factors.
+MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "max_position_embeddings": 512}, {"max_model_len": 128}),
+}
+
+
+def model_case(tiny_models, name: str) -> tuple[str, dict[str, Any]]:
+    """The checkpoint of ``name`` (a ``MODEL_CASES`` key or a family) and the engine kwargs it needs."""
+    family, build, engine = MODEL_CASES.get(name, (name, {}, {}))
+    return tiny_models(family, **build), dict(engine)
+
 
 @pytest.fixture
 def make_llm():

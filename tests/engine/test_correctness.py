@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.conftest import assert_chunked_prefill_steps, assert_no_leaks, record_steps
+from tests.engine.conftest import (
+    assert_chunked_prefill_steps,
+    assert_no_leaks,
+    model_case,
+    record_steps,
+)
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 
 PROMPTS = [
@@ -30,10 +35,10 @@ LLAMA3_ROPE = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope"])
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
-    path = tiny_models(family)
-    llm = make_llm(path)
+    path, kwargs = model_case(tiny_models, family)
+    llm = make_llm(path, **kwargs)
     params = greedy(MAX_TOKENS)
     outs = llm.generate(PROMPTS, params)
     assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
@@ -41,11 +46,11 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     assert {o.finish_reason for o in outs} <= {"length", "stop"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope"])
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
-    path = tiny_models(family)
+    path, kwargs = model_case(tiny_models, family)
     hf = hf_reference(path)
-    engine = LLMEngine(EngineConfig(path, dtype="float32", device="cpu", max_num_seqs=4))
+    engine = LLMEngine(EngineConfig(path, dtype="float32", device="cpu", max_num_seqs=4, **kwargs))
     finished = {}
     schedule = {0: [0, 1, 2], 3: [3, 4], 5: [5, 6, 7], 11: [8, 9]}  # step -> prompts added
     step = 0
@@ -60,11 +65,11 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope"])
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
-    path = tiny_models(family)
+    path, kwargs = model_case(tiny_models, family)
     # 10 blocks of 8 tokens: far less than the batch needs at once, more than any one request.
-    llm = make_llm(path, block_size=8, num_kv_blocks=10)
+    llm = make_llm(path, block_size=8, num_kv_blocks=10, **kwargs)
     params = greedy([m + 20 for m in MAX_TOKENS])
     outs = llm.generate(PROMPTS, params)
     assert_outputs_match(hf_reference(path), PROMPTS, [m + 20 for m in MAX_TOKENS], outs)
@@ -73,10 +78,10 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope"])
 def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm, monkeypatch):
-    path = tiny_models(family)
-    llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8)
+    path, kwargs = model_case(tiny_models, family)
+    llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8, **kwargs)
     steps = record_steps(monkeypatch, llm.engine.scheduler)
     params = greedy(MAX_TOKENS)
     outs = llm.generate(PROMPTS, params)
@@ -111,6 +116,36 @@ def test_config_variants_match_transformers(kwargs, tiny_models, hf_reference, m
     prompts, max_tokens = PROMPTS[:4], [30, 30, 30, 30]
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0))
     assert_outputs_match(hf_reference(path), prompts, max_tokens, outs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"partial_rotary_factor": 1.0},
+        {"partial_rotary_factor": 0.5},
+        {"partial_rotary_factor": 0.5, "legacy_config": True},
+    ],
+    ids=["full-rotary", "partial-rotary", "partial-rotary-4x-config"],
+)
+def test_phi3_long_factors_past_the_original_context_match_transformers(kwargs, tiny_models, hf_reference, make_llm):
+    """An original context of 8 tokens and prompts longer than it: transformers turns every
+    token with the long factors (and the attention factor of 2048 / 8), as our engine does
+    when its max_model_len passes the original context."""
+    half = int(16 * kwargs["partial_rotary_factor"]) // 2
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.3 * i for i in range(half)],
+        "long_factor": [2.0 + 1.5 * i for i in range(half)],
+        "original_max_position_embeddings": 8,
+    }
+    path = tiny_models("phi3", rope_scaling=rope, **kwargs)
+    hf = hf_reference(path)
+    prompts = [p for p in PROMPTS if len(hf.encode(p)) > 8]
+    assert len(prompts) >= 4
+    llm = make_llm(path)
+    assert llm.engine.max_model_len > 8
+    outs = llm.generate(prompts, greedy([30] * len(prompts)))
+    assert_outputs_match(hf, prompts, [30] * len(prompts), outs)
 
 
 def test_chat_messages_use_the_chat_template(tiny_models, hf_reference, make_llm):

@@ -12,7 +12,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from kernels.utils import cdiv
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import assert_no_leaks, model_case
 from tests.engine.reference import assert_outputs_match
 
 SYSTEM = "Seven guests wait at the table and the waiter pours cold water while the kitchen"
@@ -23,10 +23,11 @@ def _greedy(n, ignore_eos=True):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)
 
 
-def test_cache_hits_keep_outputs_exact(tiny_models, hf_reference, make_llm):
-    path = tiny_models("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "phi3-longrope"])
+def test_cache_hits_keep_outputs_exact(family, tiny_models, hf_reference, make_llm):
+    path, kwargs = model_case(tiny_models, family)
     hf = hf_reference(path)
-    llm = make_llm(path, block_size=4)
+    llm = make_llm(path, block_size=4, **kwargs)
     prompts = [SYSTEM + s for s in SUFFIXES]
     first = llm.generate(prompts[:2], _greedy(20, ignore_eos=False))  # warms the cache with the shared prefix
     second = llm.generate(prompts, _greedy(20, ignore_eos=False))  # partial-block sharing and identical prompts
