@@ -18,7 +18,7 @@ from worker.entrypoints.client import Client
 from worker.store.database import create_db_engine
 from worker.store.models import Item, Shard, ShardStatus
 
-# One request at a time, so a shard of 96 x 256 tokens takes some 20 s on the tiny model.
+# One request at a time, so a shard of 48 x 256 tokens takes some 10 s on the tiny model.
 SLOW_ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 1}
 DRAIN_TIMEOUT = 4.0
 LEASE_SECONDS = 60.0  # a takeover "at once" is far quicker than waiting out a lease
@@ -49,7 +49,7 @@ def test_sigterm_mid_shard_drains_and_another_worker_resumes_the_shard_at_once(p
         w.wait_ready()
     client = Client(stack.settings)
     db = create_db_engine(stack.settings.database)
-    n = 96
+    n = 48
     job_id = client.submit(jsonl(openai_lines(n, max_tokens=256, ignore_eos=True)), stack.model, shard_size=n)["id"]
 
     def holder_with_progress() -> int | None:
