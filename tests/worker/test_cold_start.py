@@ -90,6 +90,8 @@ def test_a_real_worker_logs_its_cold_start_and_exports_it(embedded_stack, spawn_
     ready_within = time.time() - started
     found = [match for line in worker.log().splitlines() if (match := LINE.search(line))]
     assert len(found) == 1, worker.log()[-3000:]
+    # What the start logs before Celery is ready (the model load, the KV cache) reaches the log.
+    assert "loading model" in worker.log() and "KV cache:" in worker.log(), worker.log()[-3000:]
     model = canonical_model(embedded_stack.model)
     metrics = scrape(port)
     phases: dict[str, float | None] = {p: metrics.value(NAME, model=model, phase=p) for p in PHASES}

@@ -136,6 +136,9 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     global _running
     _running = state
+    setup_logging = getattr(sender, "setup_logging", None)
+    if callable(setup_logging):  # Celery would set logging up only after this signal: the
+        setup_logging()  # checks and the model load below would log into the void (a no-op later)
     try:
         ctx = state.context()
         pool = str(getattr(sender, "pool_cls", "") or app.conf.worker_pool)
