@@ -7,14 +7,15 @@ import json
 import shutil
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from tests.worker.helpers import jsonl, openai_lines, wait_for
 from worker.broker.app import create_app
 from worker.broker.queues import queue_depth
 from worker.entrypoints.cli import main
 from worker.entrypoints.client import Client
-from worker.store.models import Worker, WorkerState
+from worker.store.models import Worker, WorkerState, now
+from worker.store.workers import model_service, prune_workers, register_worker, set_worker_state
 
 
 def _submit(capsys, path, model: str) -> tuple[dict, str]:
@@ -91,3 +92,20 @@ def test_a_worker_that_cannot_load_its_model_exits_before_consuming(
     assert service.live == 0 and service.last_heartbeat_at is None
     assert client.status(job["id"])["status"] == "in_progress"
     client.close()
+
+
+def test_the_registry_forgets_long_silent_workers_but_keeps_each_models_newest(db_engine) -> None:
+    day = 86_400.0
+    ages = {"a-oldest": 9 * day, "a-old": 8 * day, "a-live": 10.0, "b-only": 8 * day}
+    ids = {}
+    for name, age in ages.items():
+        ids[name] = register_worker(db_engine, f"{name[0]}-model", "q")
+        set_worker_state(db_engine, ids[name], WorkerState.stopped)
+        with db_engine.begin() as conn:
+            conn.execute(update(Worker).where(Worker.id == ids[name]).values(heartbeat_at=now() - age))
+    assert prune_workers(db_engine, older_than=7 * day) == 2
+    with db_engine.connect() as conn:
+        left = set(conn.execute(select(Worker.id)).scalars())
+    assert left == {ids["a-live"], ids["b-only"]}  # b's only worker stays: its model was served once
+    assert model_service(db_engine, "b-model", 60).last_heartbeat_at == pytest.approx(now() - 8 * day, abs=60)
+    assert prune_workers(db_engine, older_than=7 * day) == 0

@@ -46,7 +46,7 @@ from worker.jobs.sweeper import Sweeper
 from worker.metrics.worker_metrics import WorkerMetrics
 from worker.store.models import WorkerState
 from worker.store.schema import ensure_schema
-from worker.store.workers import register_worker, set_worker_state
+from worker.store.workers import prune_workers, register_worker, set_worker_state
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         Periodic("conveyor-snapshots", s.snapshot_interval_seconds, SnapshotWriter(ctx).write_once).start(),
         Periodic("conveyor-expiry", s.sweep_interval_seconds, expire).start(),
         Periodic("conveyor-announcements", s.sweep_interval_seconds, announcer.announce_due).start(),
+        Periodic("conveyor-registry-prune", 3600.0, lambda: prune_workers(ctx.db, s.worker_retention_seconds)).start(),
     ]
     idle = s.exit_when_idle_seconds
     if idle is not None:

@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     # A worker counts as live (serving its model) while its last heartbeat (every
     # CONVEYOR_HEARTBEAT_SECONDS) is at most this old; ``submit`` and ``status`` say when none is.
     worker_live_seconds: float = Field(60.0, gt=0)
+    # Workers silent this long leave the registry (the newest of each model stays, so ``status``
+    # can still say when its model was last served); checked hourly by every worker.
+    worker_retention_seconds: float = Field(7 * 86_400.0, gt=0)
 
     # A job's completion window when its submitter names none ("24h", "1h", "7d", ...): recorded
     # with its expiry (created_at + window) on the job, as OpenAI's batch object reports them.

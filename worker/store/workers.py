@@ -13,8 +13,9 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, exists, func, insert, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import aliased
 
 from worker.store.models import Worker, WorkerState, now
 
@@ -79,3 +80,17 @@ def served_models(db: Engine, live_seconds: float) -> list[tuple[str, float]]:
     )
     with db.connect() as conn:
         return [(str(model), float(since)) for model, since in conn.execute(stmt)]
+
+
+def prune_workers(db: Engine, older_than: float) -> int:
+    """Forget workers whose last heartbeat is more than ``older_than`` seconds old, keeping the
+    newest of each model (``model_service`` reads when a model was last served). Serverless
+    workers come and go by the thousand; without this the registry only grows. Returns how
+    many rows went."""
+    newer = aliased(Worker)
+    stmt = delete(Worker).where(
+        Worker.heartbeat_at < now() - older_than,
+        exists().where(newer.model == Worker.model, newer.heartbeat_at > Worker.heartbeat_at),
+    )
+    with db.begin() as conn:
+        return conn.execute(stmt.execution_options(synchronize_session=False)).rowcount
