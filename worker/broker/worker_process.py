@@ -193,7 +193,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         state.context().state.advance(Phase.ready)
     if state is not None and not state.background:
         start_background(app, state)
-    if state is not None and state.metrics is not None:  # said here: worker_init logs before logging is set up
+    if state is not None and state.metrics is not None:
         s = state.context().settings
         log.info("conveyor worker: metrics at http://%s:%s/metrics", s.metrics_host, state.metrics.port)
 
