@@ -144,6 +144,9 @@ class ModelRunner:
         if not isinstance(self.backend, TritonAttention):
             log.info("CUDA graphs need the triton attention backend; decode runs eagerly")
             return False
+        if not self.model.supports_cuda_graphs:
+            log.info("%s cannot be captured as a CUDA graph; decode runs eagerly", self.spec.architecture)
+            return False
         return True
 
     def execute(self, sched: SchedulerOutput, block_ids_of) -> StepResult:

@@ -94,10 +94,22 @@ class Attention(nn.Module):
         return F.linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
 
 
-class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+class FeedForward(nn.Module):
+    """A layer's feed-forward block, ``[tokens, hidden] -> [tokens, hidden]``: the dense
+    ``MLP`` or a mixture of experts (``engine.models.moe``)."""
+
+    def weight_slots(self, prefix: str) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Its checkpoint tensor names under ``prefix`` -> (our tensor, row offset, rows)."""
+        raise NotImplementedError
+
+
+class MLP(FeedForward):
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        inter = spec.intermediate_size
+        self.intermediate_size = inter = intermediate_size or spec.intermediate_size
+        self.hidden_size = spec.hidden_size
         self.gate_up_weight = _param(2 * inter, spec.hidden_size, dtype=dtype, device=device)
         self.gate_up_bias = _param(2 * inter, dtype=dtype, device=device) if spec.mlp_bias else None
         self.down_weight = _param(spec.hidden_size, inter, dtype=dtype, device=device)
@@ -107,14 +119,34 @@ class MLP(nn.Module):
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         return F.linear(reference.silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
+    def weight_slots(self, prefix: str) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """``gate_proj``/``up_proj``/``down_proj`` under ``prefix`` -> our fused tensors."""
+        inter = self.intermediate_size
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+        for name, weight, bias, off, rows in (
+            ("gate_proj", self.gate_up_weight, self.gate_up_bias, 0, inter),
+            ("up_proj", self.gate_up_weight, self.gate_up_bias, inter, inter),
+            ("down_proj", self.down_weight, self.down_bias, 0, self.hidden_size),
+        ):
+            slots[f"{prefix}{name}.weight"] = (weight, off, rows)
+            if bias is not None:
+                slots[f"{prefix}{name}.bias"] = (bias, off, rows)
+        return slots
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    """Attention then a feed-forward block: the dense ``MLP`` unless ``mlp`` gives another one
+    (a mixture of experts), which maps ``[tokens, hidden]`` to the same shape and names its
+    checkpoint tensors with ``weight_slots(prefix)``."""
+
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, mlp: FeedForward | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.self_attn = Attention(spec, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        self.mlp: FeedForward = mlp if mlp is not None else MLP(spec, dtype, device)
 
     def forward(self, x, positions, rope, backend, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache)
@@ -122,11 +154,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Its decode step has fixed shapes and no host syncs, so it can be captured as a CUDA graph.
+    supports_cuda_graphs = True
+    # Where each layer's feed-forward tensors live in the checkpoint.
+    mlp_prefix = "mlp."
+
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dtype, device) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
@@ -134,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
             else _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         )
         self.rope = RotaryEmbedding(spec, max_len, dtype, device)
+
+    def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
+        """Layer ``index`` (a family whose layers differ overrides this)."""
+        return DecoderLayer(self.spec, dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend: AttentionBackend, kv_caches) -> torch.Tensor:
@@ -162,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             if bias is not None:
                 slots[name + ".bias"] = (bias, offset, rows)
 
-        q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)  # a ModuleList types its items as Module
             p = f"model.layers.{i}."
@@ -175,7 +216,5 @@ class LlamaForCausalLM(nn.Module):
             if a.q_norm is not None and a.k_norm is not None:
                 slots[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, spec.head_dim)
                 slots[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, spec.head_dim)
-            for name, off in (("gate_proj", 0), ("up_proj", inter)):
-                linear(p + f"mlp.{name}", m.gate_up_weight, m.gate_up_bias, off, inter)
-            linear(p + "mlp.down_proj", m.down_weight, m.down_bias, 0, spec.hidden_size)
+            slots.update(m.weight_slots(p + self.mlp_prefix))
         return slots

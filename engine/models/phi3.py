@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -21,7 +21,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             if not name.removesuffix(".weight").removesuffix(".bias").endswith(split)
         }
         for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)  # a ModuleList types its items as Module
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MLP)  # (for the type checker)
             p = f"model.layers.{i}."
             slots[p + "self_attn.qkv_proj.weight"] = (layer.self_attn.qkv_weight, 0, q + 2 * kv)
             slots[p + "mlp.gate_up_proj.weight"] = (layer.mlp.gate_up_weight, 0, 2 * spec.intermediate_size)
