@@ -21,6 +21,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -51,6 +54,7 @@ class ModelSpec:
     sliding_window: int | None = None
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -76,7 +80,9 @@ class ModelSpec:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         theta, scaling, partial = _rope(cfg)
         sliding = None
-        if cfg.get("sliding_window") and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
+        if cfg.get("sliding_window") and (
+            model_type in ("mistral", "phi3", "mixtral") or cfg.get("use_sliding_window")
+        ):
             sliding = int(cfg["sliding_window"])
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -97,13 +103,16 @@ class ModelSpec:
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
-            o_bias=model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2"
+            or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
+            moe=MoESpec.from_config(cfg),
         )
 
     @property
@@ -125,6 +134,52 @@ class ModelSpec:
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, s)
         return inv_freq, 1.0
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts model's routing: each token's router softmax, its ``top_k``
+    experts, their weights renormalised to sum to one when ``renormalize``; Qwen2-MoE's shared
+    expert (``shared_intermediate_size`` > 0) added, gated by a sigmoid. ``sparse_layers``:
+    which layers are MoE (the rest are dense MLPs of ``ModelSpec.intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+    fp32_weights: bool = False  # Mixtral keeps the routing weights in float32; Qwen casts them
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> MoESpec | None:
+        model_type, layers = cfg.get("model_type"), int(cfg["num_hidden_layers"])
+        if model_type == "mixtral":
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                renormalize=True,
+                sparse_layers=tuple(range(layers)),
+                fp32_weights=True,
+            )
+        if model_type not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        return cls(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe"
+            else 0,
+        )
 
 
 def _architecture(cfg: dict) -> str:

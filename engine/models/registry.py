@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
+from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -13,6 +14,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 
