@@ -15,7 +15,20 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+# The mixture-of-experts families' defaults (``build_tiny_model``'s ``moe`` overrides them):
+# few, small experts, two per token, so a test run stays fast and most experts get tokens.
+MOE_DEFAULTS: dict[str, dict] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+    },
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -60,7 +73,7 @@ def build_tokenizer(path: str | Path, family: str = "llama", vocab_size: int = 5
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    llama_like = family in ("llama", "mistral", "phi3")
+    llama_like = family in ("llama", "mistral", "phi3", "mixtral")
     if llama_like:  # these families put BOS in front of every encoded text
         bos = tok.token_to_id("<s>")
         tok.post_processor = processors.TemplateProcessing(
@@ -96,12 +109,14 @@ def build_tiny_model(
     partial_rotary_factor: float | None = None,
     legacy_config: bool = False,
     init_std: float = 0.5,
+    moe: dict | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (config.json, generation_config.json, safetensors,
     tokenizer) of ``family`` to ``path`` and return the path.
 
     ``legacy_config`` rewrites config.json in the transformers 4.x spelling
-    (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``)."""
+    (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
+    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...)."""
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -117,6 +132,9 @@ def build_tiny_model(
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(
@@ -133,9 +151,11 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if head_dim is not None or family == "qwen3":
+    if family in MOE_DEFAULTS:
+        kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
+    if head_dim is not None or family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
     if partial_rotary_factor is not None:
         kwargs["partial_rotary_factor"] = partial_rotary_factor
@@ -152,7 +172,7 @@ def build_tiny_model(
     _randomize(model, init_std)
     model.save_pretrained(str(path), safe_serialization=True)
     eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id

@@ -21,6 +21,13 @@ PHI3_LONGROPE = {
 # inside the original context (max_model_len 128), where transformers uses the short factors.
 MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "max_position_embeddings": 512}, {"max_model_len": 128}),
+    # Qwen2-MoE with dense layers among the sparse ones: of four layers, decoder_sparse_step 2
+    # makes 1 and 3 sparse and mlp_only_layers turns 3 dense again (layers 0, 2, 3 dense).
+    "qwen2_moe-dense-layers": (
+        "qwen2_moe",
+        {"num_layers": 4, "moe": {"decoder_sparse_step": 2, "mlp_only_layers": [3]}},
+        {},
+    ),
 }
 
 

@@ -35,7 +35,21 @@ LLAMA3_ROPE = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "phi3",
+        "phi3-longrope",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen2_moe-dense-layers",
+    ],
+)
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, **kwargs)
@@ -46,7 +60,7 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     assert {o.finish_reason for o in outs} <= {"length", "stop"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe"])
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
     hf = hf_reference(path)
@@ -65,7 +79,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope", "qwen2_moe"])
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
     # 10 blocks of 8 tokens: far less than the batch needs at once, more than any one request.
@@ -78,7 +92,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope", "mixtral", "qwen2_moe"])
 def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm, monkeypatch):
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8, **kwargs)
