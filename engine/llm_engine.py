@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -129,9 +130,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
+        deadline: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` naming what is wrong with bad input."""
+        """Queue a request. Raises ``ValueError`` naming what is wrong with bad input.
+
+        ``priority`` (lower first) orders the queue under the ``priority`` policy; ``deadline``
+        (wall-clock epoch seconds, ``time.time()``'s clock) under ``edf``, and breaks ties
+        between equal priorities under ``priority``. Other policies ignore both."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._groups:
@@ -141,6 +147,10 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+                raise ValueError(f"deadline must be a finite number of epoch seconds, got {deadline!r}")
+            deadline = float(deadline)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             raise ValueError(
@@ -175,6 +185,7 @@ class LLMEngine:
                     parent_id=request_id,
                     index=index,
                     priority=priority,
+                    deadline=deadline,
                     arrival_time=arrival,
                     generator=generator,
                     # Without streaming or stop strings the text is decoded once, at the end.

@@ -45,6 +45,7 @@ class Request:
         "arrival_seq",
         "bias_tensors",
         "block_hashes",
+        "deadline",
         "detokenizer",
         "error",
         "final_text",
@@ -84,6 +85,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         priority: int = 0,
+        deadline: float | None = None,
         arrival_time: float | None = None,
         generator: torch.Generator | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
@@ -97,6 +99,7 @@ class Request:
         self.prompt_text = prompt_text
         self.params = params
         self.priority = priority
+        self.deadline = deadline  # wall-clock epoch seconds; the ``edf`` and ``priority`` policies order by it
         self.arrival_seq = arrival_seq
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

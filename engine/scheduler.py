@@ -3,8 +3,21 @@
 Each step: running requests first (a decode token each, or the next chunk of an unfinished
 prefill), then waiting requests admitted by policy while the budget, the cap and the free
 blocks allow. When a running request cannot get a block, the request at the tail of the
-running list (the newest, or the least important under ``priority``) is preempted: its
-blocks are freed and it goes back to the front of the queue, to be recomputed later.
+running list (the newest; under ``priority`` and ``edf`` the last in the policy's order) is
+preempted: its blocks are freed and it goes back to the queue (to its front under ``fcfs``,
+``prefix`` and ``srpf``), to be recomputed later.
+
+The policies (``EngineConfig.scheduling_policy``):
+
+- ``fcfs``: arrival order.
+- ``priority``: lowest ``priority`` value first; among equals the earliest ``deadline``
+  (requests without one after those with one), then arrival order.
+- ``prefix``: FCFS with the head of the queue regrouped by shared prefix (see below).
+- ``srpf``: shortest remaining prefill first, the tokens the prefix cache already holds not
+  counted; a request that has waited ``SRPF_AGING_STEPS`` scheduler steps is aged, and aged
+  requests are admitted ahead of every other, in arrival order (the starvation bound).
+- ``edf``: earliest ``deadline`` first (requests without one after all that have one), then
+  ``priority``, then arrival order; preemption takes the latest deadline first.
 
 Requests sharing a prefix never compute it twice: a request's full blocks are registered in
 the prefix cache when they are scheduled, and a request is only admitted once every running
@@ -15,8 +28,10 @@ newcomer always finds the shared blocks of the requests before it.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -28,6 +43,10 @@ ADMISSION_WATERMARK = 0.01
 # The prefix-aware policy reorders at most this many requests at the head of the queue per
 # step, so its cost stays bounded however many thousands are waiting.
 PREFIX_POLICY_WINDOW = 128
+# Under ``srpf`` a request waiting this many scheduler steps is admitted ahead of every shorter
+# request that has not waited as long: no prompt waits more than this (plus the aged requests
+# queued before it) however many short ones keep arriving.
+SRPF_AGING_STEPS = 512
 
 
 @dataclass
@@ -56,6 +75,9 @@ class WaitingQueue:
     def push_front(self, req: Request) -> None:
         self._q.appendleft(req)
 
+    def tick(self) -> None:
+        """A scheduler step begins (only policies that age their requests count them)."""
+
     def peek(self) -> Request:
         return self._q[0]
 
@@ -72,32 +94,138 @@ class WaitingQueue:
         return iter(self._q)
 
 
-class PriorityWaitingQueue(WaitingQueue):
-    """Lowest ``priority`` value first, then arrival order (preempted requests keep theirs)."""
+def _deadline_key(req: Request) -> tuple[bool, float]:
+    """Earliest deadline first, requests without one after every request that has one."""
+    return (req.deadline is None, 0.0 if req.deadline is None else req.deadline)
+
+
+def priority_key(req: Request) -> tuple[int, bool, float, int]:
+    return (req.priority, *_deadline_key(req), req.arrival_seq)
+
+
+def deadline_key(req: Request) -> tuple[bool, float, int, int]:
+    return (*_deadline_key(req), req.priority, req.arrival_seq)
+
+
+class KeyedWaitingQueue(WaitingQueue):
+    """The smallest ``key(req)`` first (its last element is the unique ``arrival_seq``);
+    preempted requests keep their key. Running requests are kept in the same order, so the
+    last of them in it is the first preempted."""
+
+    key: Callable[[Request], tuple] = staticmethod(priority_key)
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
+        self._heap: list[tuple[tuple, Request]] = []
 
     def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_seq, req))
+        heapq.heappush(self._heap, (self.key(req), req))
 
     push_front = push
 
     def peek(self) -> Request:
-        return self._heap[0][2]
+        return self._heap[0][1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self._heap)[1]
 
     def remove(self, req: Request) -> None:
-        self._heap = [e for e in self._heap if e[2] is not req]
+        self._heap = [e for e in self._heap if e[1] is not req]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self):
-        return (e[2] for e in self._heap)
+        return (e[1] for e in self._heap)
+
+
+class PriorityWaitingQueue(KeyedWaitingQueue):
+    """Lowest ``priority`` value first, then the earliest deadline, then arrival order."""
+
+    key = staticmethod(priority_key)
+
+
+class DeadlineWaitingQueue(KeyedWaitingQueue):
+    """Earliest deadline first (none: after all that have one), then priority, then arrival."""
+
+    key = staticmethod(deadline_key)
+
+
+class SRPFWaitingQueue(WaitingQueue):
+    """Shortest remaining prefill first, with aging.
+
+    A request's remaining prefill is its tokens less the prefix the cache holds for it; it is
+    scored when queued and re-scored against the cache each step for the ``PREFIX_POLICY_WINDOW``
+    shortest (``reorder``), so a prompt whose prefix a sibling has just computed moves up.
+    Each scheduler step is a tick (``tick``): a request queued ``aging_steps`` ticks ago is
+    aged and comes before every request that is not, aged ones in arrival order. A preempted
+    request is aged at once (it goes back to the front, as under FCFS)."""
+
+    def __init__(self, kv: KVCacheManager, aging_steps: int = SRPF_AGING_STEPS) -> None:
+        self.kv = kv
+        self.aging_steps = aging_steps
+        self.step = 0
+        # Entries are [remaining, arrival_seq, req, live]; arrival_seq is unique, so the heap
+        # never compares requests. Dead entries (popped, removed) are dropped lazily.
+        self._heap: list[list] = []
+        self._fifo: deque[tuple[float, list]] = deque()  # (queued at step, entry), arrival order
+        self._entries: dict[Request, list] = {}
+
+    def _remaining(self, req: Request) -> int:
+        return req.num_tokens - self.kv.get_computed_blocks(req)[1]
+
+    def _push(self, req: Request, queued_at: float, front: bool) -> None:
+        entry = [self._remaining(req), req.arrival_seq, req, True]
+        self._entries[req] = entry
+        heapq.heappush(self._heap, entry)
+        if front:
+            self._fifo.appendleft((queued_at, entry))
+        else:
+            self._fifo.append((queued_at, entry))
+
+    def push(self, req: Request) -> None:
+        self._push(req, self.step, front=False)
+
+    def push_front(self, req: Request) -> None:
+        self._push(req, -math.inf, front=True)
+
+    def tick(self) -> None:
+        self.step += 1
+
+    def peek(self) -> Request:
+        fifo, heap = self._fifo, self._heap
+        while fifo and not fifo[0][1][3]:
+            fifo.popleft()
+        if fifo and self.step - fifo[0][0] >= self.aging_steps:
+            return fifo[0][1][2]
+        while not heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def pop(self) -> Request:
+        req = self.peek()
+        self.remove(req)
+        return req
+
+    def remove(self, req: Request) -> None:
+        self._entries.pop(req)[3] = False
+
+    def reorder(self, kv: KVCacheManager) -> None:
+        """Re-score the shortest ``PREFIX_POLICY_WINDOW`` against the cache as it is now."""
+        window: list[list] = []
+        while self._heap and len(window) < PREFIX_POLICY_WINDOW:
+            entry = heapq.heappop(self._heap)
+            if entry[3]:
+                entry[0] = self._remaining(entry[2])
+                window.append(entry)
+        for entry in window:
+            heapq.heappush(self._heap, entry)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(list(self._entries))
 
 
 class PrefixAwareWaitingQueue(WaitingQueue):
@@ -124,11 +252,9 @@ WAITING_QUEUES: dict[str, type[WaitingQueue]] = {
     "fcfs": WaitingQueue,
     "priority": PriorityWaitingQueue,
     "prefix": PrefixAwareWaitingQueue,
+    "srpf": SRPFWaitingQueue,
+    "edf": DeadlineWaitingQueue,
 }
-
-
-def _priority_key(req: Request) -> tuple[int, int]:
-    return (req.priority, req.arrival_seq)
 
 
 class Scheduler:
@@ -140,6 +266,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        srpf_aging_steps: int = SRPF_AGING_STEPS,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -148,7 +275,10 @@ class Scheduler:
         if policy not in WAITING_QUEUES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {tuple(WAITING_QUEUES)}")
         self.policy = policy
-        self.waiting = WAITING_QUEUES[policy]()
+        queue_cls = WAITING_QUEUES[policy]
+        self.waiting = SRPFWaitingQueue(kv, srpf_aging_steps) if queue_cls is SRPFWaitingQueue else queue_cls()
+        # The order running requests are kept in (the last is the first preempted); None: admission order.
+        self._running_key = queue_cls.key if issubclass(queue_cls, KeyedWaitingQueue) else None
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._watermark_blocks = max(1, int(kv.num_blocks * ADMISSION_WATERMARK))
@@ -164,8 +294,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = self.running
-        if self.policy == "priority":
-            running.sort(key=_priority_key)  # the tail is then the first to be preempted
+        if self._running_key is not None:
+            running.sort(key=self._running_key)  # the tail is then the first to be preempted
+        self.waiting.tick()
 
         i = 0
         while i < len(running) and budget > 0:
@@ -192,7 +323,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
         if (
-            isinstance(self.waiting, PrefixAwareWaitingQueue)
+            isinstance(self.waiting, (PrefixAwareWaitingQueue, SRPFWaitingQueue))
             and len(self.waiting) > 1
             and (len(self.running) < self.max_num_seqs and budget > 0)
         ):

@@ -114,6 +114,24 @@ def test_priority_policy_admits_the_most_important_first(tiny_models):
     assert_no_leaks(engine)
 
 
+def test_edf_policy_admits_the_earliest_deadline_first(tiny_models):
+    engine = LLMEngine(EngineConfig(tiny_models("llama"), device="cpu", max_num_seqs=1, scheduling_policy="edf"))
+    engine.add_request("none", "Tea", GREEDY)
+    engine.add_request("late", "Tea", GREEDY, deadline=2_000_000_000)
+    engine.add_request("soon", "Tea", GREEDY, deadline=1_700_000_000.5)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["soon", "late", "none"]
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("bad", ["soon", True, float("nan"), float("inf")])
+def test_add_request_rejects_a_bad_deadline(engine, bad):
+    with pytest.raises(ValueError, match="deadline must be a finite number of epoch seconds"):
+        engine.add_request("a", "Tea", GREEDY, deadline=bad)
+
+
 def test_priority_policy_preempts_the_least_important(tiny_models):
     engine = LLMEngine(
         EngineConfig(tiny_models("llama"), device="cpu", block_size=4, num_kv_blocks=12, scheduling_policy="priority")

@@ -1,0 +1,190 @@
+"""The ``srpf`` and ``edf`` policies (and ``priority``'s deadline tie-break) on the scheduler
+alone: deterministic, no model. A step here is what ``LLMEngine.step`` does to the scheduler:
+the scheduled tokens are computed, a request whose prefill is done gets one token, and one
+at its length finishes."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def _req(seq: int, num_prompt: int, max_tokens: int = 1, *, tokens: list[int] | None = None, **kw) -> Request:
+    ids = tokens if tokens is not None else [1000 * (seq + 1) + i for i in range(num_prompt)]
+    return Request(
+        f"r{seq}",
+        ids,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_total_tokens=100_000,
+        eos_token_ids=frozenset(),
+        arrival_seq=seq,
+        **kw,
+    )
+
+
+def _sched(policy: str, *, num_blocks: int = 256, max_num_seqs: int = 1, **kw) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=64, policy=policy, **kw
+    )
+
+
+def _step(sched: Scheduler, admitted: list[str]) -> list[Request]:
+    """One engine step; appends the ids of the requests it admitted; returns those it finished."""
+    before = {id(r) for r in sched.running}
+    out = sched.schedule()
+    admitted += [r.request_id for r in out.requests if id(r) not in before]
+    done = []
+    for req, n in zip(out.requests, out.num_new_tokens, strict=True):
+        req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens:
+            req.append_token(7)
+            if req.check_stop(7) is not None:
+                req.status = RequestStatus.FINISHED_LENGTH
+                done.append(req)
+    sched.drop_finished_running()
+    return done
+
+
+def _run(sched: Scheduler, reqs: list[Request]) -> tuple[list[str], dict[str, int]]:
+    """Queue ``reqs`` and step to the end: (admission order, the step each finished at)."""
+    for r in reqs:
+        sched.add_request(r)
+    admitted: list[str] = []
+    finished_at: dict[str, int] = {}
+    step = 0
+    while sched.has_unfinished():
+        step += 1
+        for r in _step(sched, admitted):
+            finished_at[r.request_id] = step
+        assert step < 1000
+    assert sched.kv.num_used_blocks == 0
+    return admitted, finished_at
+
+
+# ---- srpf ------------------------------------------------------------------------------
+
+
+def test_srpf_admits_the_shortest_remaining_prefill_first_counting_cached_tokens():
+    sched = _sched("srpf")
+    prefix = list(range(1, 33))  # 8 blocks of 4
+    _run(sched, [_req(0, 0, tokens=[*prefix, 99])])  # leaves the prefix in the cache
+    long_but_cached = _req(3, 0, tokens=[*prefix, *range(200, 208)])  # 40 tokens, 8 to compute
+    reqs = [_req(1, 16), _req(2, 12), long_but_cached, _req(4, 4)]
+    admitted, _ = _run(sched, reqs)
+    assert admitted == ["r4", "r3", "r2", "r1"]  # remaining 4, 8, 12, 16
+    fcfs, _ = _run(_sched("fcfs"), [_req(1, 16), _req(2, 12), _req(3, 40), _req(4, 4)])
+    assert fcfs == ["r1", "r2", "r3", "r4"]
+
+
+@pytest.mark.parametrize("aging_steps", [1, 5, 20])
+def test_srpf_aging_bounds_how_long_a_long_prompt_waits(aging_steps):
+    """A long prompt queued first, and a short one arriving every step: without aging the
+    long one never runs; with it, it is admitted at exactly the ``aging_steps``-th step."""
+    sched = _sched("srpf", srpf_aging_steps=aging_steps)
+    sched.add_request(_req(0, 40))
+    admitted: list[str] = []
+    for seq in range(1, 60):
+        sched.add_request(_req(seq, 4))
+        _step(sched, admitted)
+        if "r0" in admitted:
+            break
+    assert admitted.index("r0") == aging_steps - 1
+    assert admitted[: aging_steps - 1] == [f"r{i}" for i in range(1, aging_steps)]  # shorts before it
+
+
+def test_srpf_without_aging_starves_the_long_prompt():
+    """What the aging bound is for: the same stream with an unreachable bound never admits it."""
+    sched = _sched("srpf", srpf_aging_steps=10**9)
+    sched.add_request(_req(0, 40))
+    admitted: list[str] = []
+    for seq in range(1, 60):
+        sched.add_request(_req(seq, 4))
+        _step(sched, admitted)
+    assert "r0" not in admitted and len(admitted) == 59
+
+
+def test_srpf_removes_aborted_requests():
+    sched = _sched("srpf")
+    a, b = _req(0, 8), _req(1, 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert len(sched.waiting) == 1 and list(sched.waiting) == [a]
+    admitted, _ = _run(sched, [])
+    assert admitted == ["r0"]
+
+
+# ---- edf -------------------------------------------------------------------------------
+
+
+def _deadline_case() -> list[Request]:
+    # One at a time, each 1 step per output token: A takes 10 steps, B and C 5 each.
+    return [
+        _req(0, 4, 10, deadline=30.0),  # A, first to arrive, due last
+        _req(1, 4, 5, deadline=6.0),  # B
+        _req(2, 4, 5, deadline=12.0),  # C
+    ]
+
+
+def _missed(finished_at: dict[str, int], reqs: list[Request]) -> list[str]:
+    return [r.request_id for r in reqs if r.deadline is not None and finished_at[r.request_id] > r.deadline]
+
+
+def test_edf_meets_every_deadline_that_fcfs_misses():
+    reqs = _deadline_case()
+    _, fcfs = _run(_sched("fcfs"), reqs)
+    assert _missed(fcfs, reqs) == ["r1", "r2"]  # A runs first and makes B and C late
+    reqs = _deadline_case()
+    admitted, edf = _run(_sched("edf"), reqs)
+    assert admitted == ["r1", "r2", "r0"] and _missed(edf, reqs) == []
+    assert edf == {"r1": 5, "r2": 10, "r0": 20}
+
+
+def test_edf_puts_requests_without_a_deadline_last_then_orders_by_priority():
+    reqs = [
+        _req(0, 4),
+        _req(1, 4, deadline=2e9),
+        _req(2, 4, deadline=1e9, priority=5),
+        _req(3, 4, deadline=1e9, priority=1),
+        _req(4, 4, priority=-3),
+    ]
+    admitted, _ = _run(_sched("edf"), reqs)
+    assert admitted == ["r3", "r2", "r1", "r4", "r0"]
+
+
+def test_edf_preempts_the_latest_deadline_first():
+    """Two requests growing in a cache too small for both: the one due later is preempted,
+    though under FCFS the newest (here the one due sooner) would be."""
+
+    def case() -> list[Request]:
+        return [_req(0, 8, 24, deadline=100.0), _req(1, 8, 24, deadline=50.0)]
+
+    for policy, victim in (("edf", "r0"), ("fcfs", "r1")):
+        reqs = case()
+        _run(_sched(policy, num_blocks=12, max_num_seqs=2), reqs)
+        preempted = [r.request_id for r in reqs if r.metrics.num_preemptions]
+        assert preempted == [victim], policy
+
+
+# ---- priority with deadlines ---------------------------------------------------------------
+
+
+def test_priority_breaks_ties_by_deadline():
+    reqs = [
+        _req(0, 4, priority=1, deadline=1.0),  # most urgent, but less important
+        _req(1, 4, priority=0),  # no deadline: after its equals that have one
+        _req(2, 4, priority=0, deadline=9.0),
+        _req(3, 4, priority=0, deadline=3.0),
+        _req(4, 4, priority=0),
+    ]
+    admitted, _ = _run(_sched("priority"), reqs)
+    assert admitted == ["r3", "r2", "r1", "r4", "r0"]
+
+
+def test_unknown_policies_still_raise():
+    with pytest.raises(ValueError, match=r"'sjf'.*'srpf', 'edf'"):
+        _sched("sjf")
