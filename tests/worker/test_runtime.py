@@ -104,7 +104,7 @@ class _FakeEngine:
         self.live: dict[str, SamplingParams] = {}
         self.tokenizer = None
 
-    def add_request(self, rid, prompt, params, priority=0):
+    def add_request(self, rid, prompt, params, priority=0, deadline=None):
         self.calls += 1
         if prompt == "bad":
             raise ValueError("bad prompt")

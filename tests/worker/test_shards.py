@@ -80,7 +80,7 @@ class _StuckHost:
         self.aborted: list[RequestHandle] = []
         self.pid, self.alive, self.tokenizer = os.getpid(), True, None
 
-    def submit(self, prompt, params, *, priority=0, tag=None, on_done=None):
+    def submit(self, prompt, params, *, priority=0, deadline=None, tag=None, on_done=None):
         if self.fail:
             raise RuntimeError("engine exploded")
         return RequestHandle(f"r{id(tag)}", Future(), tag)
@@ -144,3 +144,59 @@ def test_a_job_for_another_model_is_left_alone(queued, embedded_stack) -> None:
             conn.execute(select(Shard.status).where(Shard.job_id == job["id"], Shard.shard_index == 0)).scalar()
             is ShardStatus.pending
         )
+
+
+class _RecordingHost:
+    """The real engine host, recording what each submission asked for."""
+
+    def __init__(self, host) -> None:
+        self._host = host
+        self.asked: list[tuple[int, float | None]] = []
+
+    def submit(self, prompt, params, **kw):
+        self.asked.append((kw["priority"], kw["deadline"]))
+        return self._host.submit(prompt, params, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._host, name)
+
+
+def test_every_item_carries_the_jobs_priority_and_deadline(queued) -> None:
+    """The engine orders a job's items by the job's priority, then by its deadline: the
+    job's ``expires_at`` (created_at + completion window)."""
+    _client, ctx, job = queued
+    with ctx.db.begin() as conn:
+        conn.execute(update(Job).where(Job.id == job["id"]).values(priority=3))
+    with ctx.db.connect() as conn:
+        expires_at = conn.execute(select(Job.expires_at).where(Job.id == job["id"])).scalar()
+    real = ctx.host_factory
+    host = _RecordingHost(real())
+    ctx.host_factory = lambda: host
+    assert run_shard(ctx, job["id"], 0).status == "completed"
+    assert expires_at is not None and host.asked == [(3, expires_at)] * 4
+
+
+def test_on_one_engine_host_the_job_due_sooner_is_served_first(tiny_model) -> None:
+    """Two jobs' items on one engine (one sequence at a time, the worker's default
+    ``priority`` policy): equal priorities, so the items due sooner all finish first, though
+    they were submitted last; a more important job still goes before both."""
+    from engine import EngineConfig, SamplingParams
+    from worker.execution.engine_host import EngineHost
+
+    host = EngineHost.from_config(EngineConfig(tiny_model, device="cpu", max_num_seqs=1, scheduling_policy="priority"))
+    done: list[str] = []
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    now = time.time()
+    try:
+        with host._cv:  # the loop takes all of them in one go: the order is the scheduler's alone
+            for i in range(3):
+                host.submit(
+                    "Tea", params, deadline=now + 48 * 3600, tag=f"late{i}", on_done=lambda h: done.append(h.tag)
+                )
+            for i in range(3):
+                host.submit("Tea", params, deadline=now + 3600, tag=f"soon{i}", on_done=lambda h: done.append(h.tag))
+            host.submit("Tea", params, priority=-1, tag="urgent", on_done=lambda h: done.append(h.tag))
+        wait_for(lambda: len(done) == 7, 60, "the requests")
+    finally:
+        host.close()
+    assert done == ["urgent", "soon0", "soon1", "soon2", "late0", "late1", "late2"]

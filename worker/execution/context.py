@@ -47,7 +47,8 @@ ItemListener = Callable[[Sequence[ItemRecord]], None]
 
 def engine_config(settings: Settings, model: str) -> EngineConfig:
     """``EngineConfig`` for ``model`` with ``CONVEYOR_ENGINE_ARGS`` applied. Jobs carry a
-    priority, so the scheduler defaults to the ``priority`` policy (FCFS among equals)."""
+    priority and a deadline (``expires_at``), so the scheduler defaults to the ``priority``
+    policy: the job's priority first, then the earliest deadline, then arrival order."""
     args = {"scheduling_policy": "priority", **settings.engine_args}
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     unknown = sorted(set(args) - known)

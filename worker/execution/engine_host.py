@@ -101,6 +101,7 @@ class _Submission:
     prompt: Any
     params: SamplingParams
     priority: int
+    deadline: float | None
     on_done: Callable[[RequestHandle], None] | None
 
 
@@ -172,13 +173,15 @@ class EngineHost:
         params: SamplingParams,
         *,
         priority: int = 0,
+        deadline: float | None = None,
         tag: Any = None,
         on_done: Callable[[RequestHandle], None] | None = None,
     ) -> RequestHandle:
         """Queue a request for the engine; ``on_done(handle)`` runs (on the loop thread)
-        once its future is resolved. Never blocks on the engine."""
+        once its future is resolved. Never blocks on the engine. ``priority`` and
+        ``deadline`` (epoch seconds) are ``LLMEngine.add_request``'s."""
         handle = RequestHandle(f"{self._prefix}{next(self._ids)}", Future(), tag)
-        sub = _Submission(handle, prompt, params, priority, on_done)
+        sub = _Submission(handle, prompt, params, priority, deadline, on_done)
         with self._cv:
             if self._closing:
                 raise HostClosed("the engine host is shut down")
@@ -273,7 +276,7 @@ class EngineHost:
         rid = sub.handle.request_id
         _crash_if_poison(sub.prompt)
         try:
-            self._engine.add_request(rid, sub.prompt, sub.params, priority=sub.priority)
+            self._engine.add_request(rid, sub.prompt, sub.params, priority=sub.priority, deadline=sub.deadline)
         except ValueError as exc:
             self._resolve(sub, Completion(rid, rejected=True, error=str(exc)))
             return

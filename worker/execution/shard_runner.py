@@ -94,6 +94,17 @@ class RetryShard(Exception):
 
 
 @dataclass(frozen=True)
+class _Order:
+    """What orders a job's items in the engine: the job's priority, and its deadline (its
+    ``expires_at``, created_at + completion window; None for a job without one). Under the
+    worker's default ``priority`` policy the priority comes first and the deadline breaks
+    ties, so among jobs of equal priority the one due soonest is served first."""
+
+    priority: int
+    deadline: float | None
+
+
+@dataclass(frozen=True)
 class ShardOutcome:
     job_id: str
     shard_index: int
@@ -216,7 +227,9 @@ class ShardRunner:
     def _run_once(self) -> ShardOutcome:
         ctx = self.ctx
         with ctx.db.connect() as conn:
-            job = conn.execute(select(Job.status, Job.model, Job.priority).where(Job.id == self.job_id)).one_or_none()
+            job = conn.execute(
+                select(Job.status, Job.model, Job.priority, Job.expires_at).where(Job.id == self.job_id)
+            ).one_or_none()
         if job is None:
             return self._outcome("skipped", reason="no such job")
         if JobStatus(job.status).terminal:
@@ -236,7 +249,9 @@ class ShardRunner:
         with LeaseKeeper(ctx, self.job_id, self.index, self.owner) as keeper:
             try:
                 status = self._call(
-                    lambda: self._work(job.status, job.priority, shard, keeper), keeper.lost.is_set, holding=True
+                    lambda: self._work(job.status, _Order(job.priority, job.expires_at), shard, keeper),
+                    keeper.lost.is_set,
+                    holding=True,
                 )
             except LeaseLost as exc:
                 self._abort_all()
@@ -286,7 +301,7 @@ class ShardRunner:
 
     # ---- the work (under the lease; redone from the top after a dependency fault) -------
 
-    def _work(self, job_status: JobStatus, priority: int, shard: Shard, keeper: LeaseKeeper) -> ShardStatus:
+    def _work(self, job_status: JobStatus, order: _Order, shard: Shard, keeper: LeaseKeeper) -> ShardStatus:
         """Run what is left of the shard and write its part files; the status to release."""
         if keeper.lost.is_set():
             raise LeaseLost(f"lease on shard {self.index} of job {self.job_id} was lost")
@@ -297,7 +312,7 @@ class ShardRunner:
             self._fail_unstored(shard.error or "too many attempts")
             status = ShardStatus.failed
         else:
-            cancelled = self._execute(priority, shard, keeper)
+            cancelled = self._execute(order, shard, keeper)
             status = ShardStatus.cancelled if cancelled else ShardStatus.completed
         self._parts = write_shard_parts(self.ctx.db, self.ctx.job_store(self.job_id), self.job_id, self.index)
         return status
@@ -307,15 +322,15 @@ class ShardRunner:
         with stream:
             return [ParsedRequest.from_json(json.loads(line)) for line in stream if line.strip()]
 
-    def _execute(self, priority: int, shard: Shard, keeper: LeaseKeeper) -> bool:
+    def _execute(self, order: _Order, shard: Shard, keeper: LeaseKeeper) -> bool:
         """Run the shard's remaining items; True if the job was cancelled meanwhile."""
         done = stored_custom_ids(self.ctx.db, self.job_id, self.index)
         todo = [req for req in self._requests() if req.custom_id not in done]
         if shard.deaths == 0:
-            return self._run_items(todo, priority, keeper)
-        return self._run_suspects(todo, priority, shard.deaths, keeper)
+            return self._run_items(todo, order, keeper)
+        return self._run_suspects(todo, order, shard.deaths, keeper)
 
-    def _run_suspects(self, todo: list[ParsedRequest], priority: int, deaths: int, keeper: LeaseKeeper) -> bool:
+    def _run_suspects(self, todo: list[ParsedRequest], order: _Order, deaths: int, keeper: LeaseKeeper) -> bool:
         """A worker died holding this shard: its remaining items are suspects. They run in
         groups of ``remaining / 2**deaths`` (alone after a few deaths), one group at a time in
         this process's quarantine lane, so the item that kills workers ends up alone and is
@@ -353,7 +368,7 @@ class ShardRunner:
             try:
                 solo = group[0].custom_id if len(group) == 1 else None
                 set_solo_item(self.ctx.db, self.job_id, self.index, self.owner, solo)
-                if self._run_items(group, priority, keeper):
+                if self._run_items(group, order, keeper):
                     return True
             finally:
                 self.ctx.quarantine.release()
@@ -374,7 +389,7 @@ class ShardRunner:
                     return False
         return True
 
-    def _run_items(self, requests: list[ParsedRequest], priority: int, keeper: LeaseKeeper) -> bool:
+    def _run_items(self, requests: list[ParsedRequest], order: _Order, keeper: LeaseKeeper) -> bool:
         """Put ``requests`` into the engine at once and store them as they finish; True if
         the job was cancelled meanwhile."""
         ctx = self.ctx
@@ -390,7 +405,14 @@ class ShardRunner:
                     error_record(self._item_ctx, req, code="invalid_value", message=str(exc), status_code=400)
                 )
                 continue
-            handle = host.submit(engine_prompt(req), params, priority=priority, tag=req, on_done=finished.put)
+            handle = host.submit(
+                engine_prompt(req),
+                params,
+                priority=order.priority,
+                deadline=order.deadline,
+                tag=req,
+                on_done=finished.put,
+            )
             self._handles[handle.request_id] = handle
         token_text = _token_text(host.tokenizer)
         decode = _decode(host.tokenizer)
