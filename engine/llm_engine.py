@@ -11,15 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.attention.triton_backend import prepare_interpreter
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.models.loader import resolve_model_path
-from engine.models.model_config import ModelSpec
+from engine.models.loader import load_tokenizer, read_spec, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -68,10 +66,10 @@ class LLMEngine:
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
             prepare_interpreter(config.resolve_device())
         model_path = resolve_model_path(config.model, config.revision)
-        self.spec = ModelSpec.from_pretrained(model_path)
+        self.spec = read_spec(model_path)
         tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
         tok_begin = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_path))
+        self.tokenizer = load_tokenizer(tok_path)
         startup.tokenizer = time.perf_counter() - tok_begin
         max_len = self.spec.max_position_embeddings
         if self.spec.sliding_window:  # we attend to the full context: stay inside the window

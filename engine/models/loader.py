@@ -1,12 +1,16 @@
-"""Find a checkpoint (local directory or hub id) and load its safetensors into our model."""
+"""Find a checkpoint (local directory, GGUF file or hub id) and load its weights into our model:
+safetensors as they are, GGUF dequantized (``engine.models.gguf``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from engine.models import gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
 from engine.models.registry import model_class
@@ -17,13 +21,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is a hub id, downloaded (or found in the
-    local hub cache) with huggingface_hub."""
+    """A local directory or ``.gguf`` file as is; anything else is a hub id, downloaded (or
+    found in the local hub cache) with huggingface_hub."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"model path {model!r} is not a directory")
+        raise ValueError(f"model path {model!r} is not a directory or a .gguf file")
     from huggingface_hub import snapshot_download
 
     try:
@@ -36,10 +40,37 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def read_spec(path: Path) -> ModelSpec:
+    """The model's ``ModelSpec``: from a GGUF file's metadata, else from ``config.json``."""
+    file = gguf.find_gguf(path)
+    return gguf.read_spec(file) if file is not None else ModelSpec.from_pretrained(path)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer for the checkpoint at ``path``. A GGUF checkpoint uses tokenizer
+    files beside it when its directory holds some (faster to load), else its own vocabulary."""
+    from transformers import AutoTokenizer
+
+    file = gguf.find_gguf(path)
+    if file is not None and not _has_tokenizer_files(file.parent):
+        return gguf.load_tokenizer(file)
+    return AutoTokenizer.from_pretrained(str(file.parent if file is not None else path))
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def check_checkpoint(path: Path) -> ModelSpec:
     """What loading ``path`` would reject, found without loading a tensor: a ``config.json``
     that parses and names a supported architecture, safetensors files whose headers read, a
-    tokenizer. ``ValueError`` names the file and the problem."""
+    tokenizer; for GGUF, metadata naming a supported architecture and tensors of quantization
+    types we can dequantize. ``ValueError`` names the file and the problem."""
+    file = gguf.find_gguf(path)
+    if file is not None:
+        spec = gguf.read_spec(file)
+        gguf.check_tensors(file)
+        return spec
     spec = ModelSpec.from_pretrained(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -50,33 +81,42 @@ def check_checkpoint(path: Path) -> ModelSpec:
                 f.keys()
         except Exception as exc:  # safetensors raises its own error types for a damaged file
             raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not _has_tokenizer_files(path):
         raise ValueError(f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
     return spec
 
 
 def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors weights")
+    file = gguf.find_gguf(path)
+    if file is not None:
+        tensors = gguf.iter_tensors(file, spec)
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path} has no *.safetensors weights")
+        tensors = _safetensors(files)
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and spec.tie_word_embeddings:
-                    continue
-                if name not in slots:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {spec.model_type} model")
-                target, offset, rows = slots[name]
-                tensor = f.get_tensor(name)
-                if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
-                target.data[offset : offset + rows].copy_(tensor.to(dtype))
-                missing.discard(name)
+    for source, name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and spec.tie_word_embeddings:
+            continue
+        if name not in slots:
+            raise ValueError(f"{source}: unexpected tensor {name!r} for a {spec.model_type} model")
+        target, offset, rows = slots[name]
+        if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
+        target.data[offset : offset + rows].copy_(tensor.to(dtype))
+        missing.discard(name)
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
     return model.eval()
+
+
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
+                yield file.name, name, f.get_tensor(name)
