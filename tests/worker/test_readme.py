@@ -33,7 +33,7 @@ def test_the_readmes_queued_example_runs_as_written(tiny_model, tmp_path) -> Non
 
     def argv(words: list[str], **names: str) -> list[str]:
         assert words[0] == "conveyor", words
-        swapped = [tiny_model if w == ".cache/tiny-llama" else names.get(w, w) for w in words[1:]]
+        swapped = [tiny_model if w == ".cache/smollm2" else names.get(w, w) for w in words[1:]]
         return [sys.executable, "-m", "worker.entrypoints.cli", *swapped]
 
     proc = subprocess.Popen(argv(worker), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

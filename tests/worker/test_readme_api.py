@@ -39,7 +39,7 @@ def test_the_readmes_api_quick_start_runs_as_written(tiny_model, tmp_path) -> No
 
     def argv(words: list[str]) -> list[str]:
         assert words[0] == "conveyor", words
-        swapped = [tiny_model if w == ".cache/tiny-llama" else w for w in words[1:]]
+        swapped = [tiny_model if w == ".cache/smollm2" else w for w in words[1:]]
         return [sys.executable, "-m", "worker.entrypoints.cli", *swapped]
 
     made = subprocess.run(argv(keys[:-2]), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -57,7 +57,7 @@ def test_the_readmes_api_quick_start_runs_as_written(tiny_model, tmp_path) -> No
         while True:  # the server is up and the worker serves the model
             try:
                 models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {made.stdout.strip()}"})
-                if "tiny-llama" in models.text:
+                if "smollm2" in models.text:
                     break
             except httpx.TransportError:
                 pass
