@@ -27,10 +27,12 @@ def test_bad_model_ids_are_refused(bad: str) -> None:
         canonical_model(bad)
 
 
-def test_a_file_is_not_a_model(tmp_path) -> None:
+def test_a_file_is_not_a_model_unless_gguf(tmp_path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(InvalidModel, match="is a file"):
         canonical_model(str(tmp_path / "weights.bin"))
+    (tmp_path / "m.gguf").write_bytes(b"x")  # a GGUF checkpoint is one file (checked at submit, not here)
+    assert canonical_model(str(tmp_path / "m.gguf")) == str((tmp_path / "m.gguf").resolve())
 
 
 def test_queue_names_are_broker_safe_and_distinct(tmp_path) -> None:

@@ -133,7 +133,8 @@ class Client:
                     self.app, queue_name(job_model(self.db, job_id), self.settings.queue_prefix), job_id, indices
                 )
 
-        if Path(model).expanduser().is_dir():
+        local = Path(model).expanduser()
+        if local.is_dir() or (local.suffix == ".gguf" and local.is_file()):
             _check_local_checkpoint(model)
         stream, name = _open_input(input)
         with stream:

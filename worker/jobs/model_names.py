@@ -47,13 +47,13 @@ def canonical_model(model: str) -> str:
         is_dir, exists = path.is_dir(), path.exists()
     except OSError:  # e.g. a name too long for the filesystem
         is_dir = exists = False
-    if is_dir:
+    if is_dir or (exists and path.suffix == ".gguf"):  # a checkpoint directory, or one GGUF file
         resolved = str(path.resolve())
         if len(resolved) > MODEL_LEN:
             raise InvalidModel(f"the model path is longer than {MODEL_LEN} characters: {resolved[:80]}...")
         return resolved
     if exists:
-        raise InvalidModel(f"the model path {model!r} is a file; give the checkpoint's directory")
+        raise InvalidModel(f"the model path {model!r} is a file; give the checkpoint's directory or a .gguf file")
     if model.startswith(("/", ".", "~")) or not _HUB_ID.match(model) or len(model) > MODEL_LEN:
         raise InvalidModel(f"model {model!r} is not a local directory nor a hub id like 'Qwen/Qwen3-0.6B'")
     return model
