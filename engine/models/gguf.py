@@ -94,6 +94,9 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    if meta("expert_count"):  # llama.cpp writes Mixtral as llama, with merged expert tensors
+        raise ValueError(f"{file.name}: GGUF mixture-of-experts ({meta('expert_count')} experts) is not supported")
+
     num_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -158,6 +158,16 @@ def test_gguf_errors_name_the_problem(tiny_models, tmp_path, monkeypatch):
     w.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported"):
         check_checkpoint(tmp_path / "gpt2.gguf")
+    # Mixtral as llama.cpp writes it: a llama file with experts.
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"moe\.gguf: GGUF mixture-of-experts \(8 experts\) is not supported"):
+        check_checkpoint(tmp_path / "moe.gguf")
     # A quantization type the gguf library cannot dequantize (simulated for F32).
     original = gguf.dequantize
 
