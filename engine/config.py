@@ -11,6 +11,10 @@ from engine.scheduler import WAITING_QUEUES
 
 SCHEDULING_POLICIES = tuple(WAITING_QUEUES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Whose forward pass runs the model: ``native`` (ours, ``engine.models.registry``),
+# ``transformers`` (transformers' layers with our paged attention plugged in,
+# ``engine.models.transformers_fallback``), or ``auto``: native when we have the architecture.
+MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -48,6 +52,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    model_impl: str = "auto"
     # CUDA graphs for decode batches (GPU, triton backend): off with enforce_eager; batches
     # of up to this many decodes are captured, larger ones run eagerly.
     enforce_eager: bool = False
@@ -84,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "

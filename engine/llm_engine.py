@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_tokenizer, read_spec, resolve_model_path
+from engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -66,7 +66,7 @@ class LLMEngine:
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
             prepare_interpreter(config.resolve_device())
         model_path = resolve_model_path(config.model, config.revision)
-        self.spec = read_spec(model_path)
+        self.spec, self.model_impl = load_spec(model_path, config.model_impl)
         tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
         tok_begin = time.perf_counter()
         self.tokenizer = load_tokenizer(tok_path)
@@ -76,10 +76,11 @@ class LLMEngine:
             max_len = min(max_len, self.spec.sliding_window)
         if config.max_model_len is not None:
             if config.max_model_len > max_len:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}")
+                window = " (its sliding window)" if max_len == self.spec.sliding_window else ""
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}{window}")
             max_len = config.max_model_len
         startup.weights += time.perf_counter() - begin  # the runner adds the weights themselves
-        self.runner = ModelRunner(config, self.spec, model_path, max_len, startup=startup)
+        self.runner = ModelRunner(config, self.spec, model_path, max_len, startup=startup, model_impl=self.model_impl)
         kv_begin = time.perf_counter()
         self.kv = KVCacheManager(
             self.runner.num_blocks,

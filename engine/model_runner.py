@@ -20,6 +20,7 @@ from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
 from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_block_bytes
 from engine.cuda_graphs import DecodeGraphs
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
 from engine.request import Request
@@ -46,6 +47,7 @@ class ModelRunner:
         max_model_len: int,
         *,
         startup: StartupTimings | None = None,
+        model_impl: str = "native",
     ) -> None:
         # Each phase's seconds are added to ``startup`` (the engine's, when it builds us).
         self.startup = startup = startup if startup is not None else StartupTimings(started_at=time.time())
@@ -56,7 +58,8 @@ class ModelRunner:
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
         self.block_size = config.block_size
         begin = time.perf_counter()
-        self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device)
+        self.model_impl = model_impl  # native or transformers (``engine.models.transformers_fallback``)
+        self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
         sync(self.device)
         startup.weights += time.perf_counter() - begin
         self.backend = create_backend(config.attention_backend, self.device)
@@ -123,6 +126,8 @@ class ModelRunner:
         CUDA graph with one that replays by calling, to run this path on CPU)."""
         if not isinstance(self.backend, TritonAttention):
             raise ValueError("CUDA graphs need the triton attention backend")
+        if not isinstance(self.model, LlamaForCausalLM):
+            raise ValueError("CUDA graphs are for native models, not the transformers fallback")
         max_batch = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch_size)
         self.graphs = DecodeGraphs(
             self.model,
@@ -140,6 +145,9 @@ class ModelRunner:
 
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.model_impl != "native":
+            log.info("CUDA graphs are for native models; the transformers fallback runs eagerly")
             return False
         if not isinstance(self.backend, TritonAttention):
             log.info("CUDA graphs need the triton attention backend; decode runs eagerly")

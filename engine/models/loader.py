@@ -14,6 +14,12 @@ from engine.models import gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
 from engine.models.registry import model_class
+from engine.models.transformers_fallback import (
+    TransformersCausalLM,
+    fallback_spec,
+    load_transformers_model,
+    resolve_model_impl,
+)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 # Tensors some checkpoints carry that the forward pass recomputes.
@@ -38,12 +44,6 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 
 # Any of these in a checkpoint is a tokenizer transformers' AutoTokenizer can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def read_spec(path: Path) -> ModelSpec:
-    """The model's ``ModelSpec``: from a GGUF file's metadata, else from ``config.json``."""
-    file = gguf.find_gguf(path)
-    return gguf.read_spec(file) if file is not None else ModelSpec.from_pretrained(path)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -86,7 +86,29 @@ def check_checkpoint(path: Path) -> ModelSpec:
     return spec
 
 
-def load_model(path: Path, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_spec(path: Path, model_impl: str = "auto") -> tuple[ModelSpec, str]:
+    """The checkpoint's spec and whose forward pass runs it (``native`` or ``transformers``)
+    for ``model_impl`` (``EngineConfig.model_impl``). ``native`` on an architecture the
+    registry lacks raises the registry's error. A GGUF checkpoint runs natively only."""
+    file = gguf.find_gguf(path)
+    if file is not None:
+        if model_impl == "transformers":
+            raise ValueError(f"{file.name}: a GGUF checkpoint runs natively only, not with model_impl='transformers'")
+        return gguf.read_spec(file), "native"
+    impl = resolve_model_impl(path, model_impl)
+    return (fallback_spec(path) if impl == "transformers" else ModelSpec.from_pretrained(path)), impl
+
+
+def load_model(
+    path: Path,
+    spec: ModelSpec,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_impl: str = "native",
+) -> LlamaForCausalLM | TransformersCausalLM:
+    if model_impl == "transformers":
+        return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)
     if file is not None:
         tensors = gguf.iter_tensors(file, spec)
