@@ -29,6 +29,22 @@ MOE_DEFAULTS: dict[str, dict] = {
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
+# Architectures we have no forward pass for, which the engine runs through the transformers
+# fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
+# turned away from its default so that a head or a scale the fallback drops changes the output.
+FALLBACK_FAMILIES: dict[str, dict] = {
+    # LayerNorm with biases, parallel residual, fused qkv, partial rotary; no GQA.
+    "gpt_neox": {"rotary_pct": 0.5, "layer_norm_eps": 1e-5},
+    # Llama with multipliers: attention scaling (not 1/sqrt(head_dim)), embeddings, residuals, logits.
+    "granite": {
+        "attention_multiplier": 0.3,
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 4.0,
+    },
+    # LayerNorm, parallel attention and MLP, interleaved RoPE, a logit scale.
+    "cohere": {"logit_scale": 0.5, "layer_norm_eps": 1e-5},
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -118,14 +134,32 @@ def build_tiny_model(
     (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
     fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...)."""
     import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in FAMILIES and family not in FALLBACK_FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES + tuple(FALLBACK_FAMILIES)}, got {family!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path, family)
     vocab = len(tokenizer)
+    if family in FALLBACK_FAMILIES:
+        fallback_kwargs = dict(
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **FALLBACK_FAMILIES[family],
+        )
+        if family == "gpt_neox":  # no GQA: it would keep the number as a stray attribute
+            del fallback_kwargs["num_key_value_heads"]
+        fallback_config = transformers.AutoConfig.for_model(family, **fallback_kwargs)
+        return _save_random(path, fallback_config, tokenizer, seed, init_std, [tokenizer.eos_token_id], legacy_config)
     config_cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -167,17 +201,23 @@ def build_tiny_model(
         if partial_rotary_factor is not None:
             rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
         _set_rope(config, rope_scaling)
+    eos = [tokenizer.eos_token_id]
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config)
+
+
+def _save_random(path: Path, config, tokenizer, seed: int, init_std: float, eos: list[int], legacy: bool) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()  # (the dtype kwarg is spelt differently in 4.x)
     _randomize(model, init_std)
     model.save_pretrained(str(path), safe_serialization=True)
-    eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(str(path))
-    _normalise_config(path / "config.json", legacy_config)
+    _normalise_config(path / "config.json", legacy)
     return path
 
 
@@ -222,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m engine.testing", description="Build a tiny random-weight model.")
     ap.add_argument("--out", required=True, help="directory to write the checkpoint to")
-    ap.add_argument("--family", default="llama", choices=FAMILIES)
+    ap.add_argument("--family", default="llama", choices=FAMILIES + tuple(FALLBACK_FAMILIES))
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

@@ -35,6 +35,7 @@ LLAMA3_ROPE = {
 }
 
 
+# gpt_neox, granite and cohere have no native forward pass: they run through the transformers fallback.
 @pytest.mark.parametrize(
     "family",
     [
@@ -48,6 +49,9 @@ LLAMA3_ROPE = {
         "qwen2_moe",
         "qwen3_moe",
         "qwen2_moe-dense-layers",
+        "gpt_neox",
+        "granite",
+        "cohere",
     ],
 )
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
@@ -60,7 +64,7 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     assert {o.finish_reason for o in outs} <= {"length", "stop"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gpt_neox", "granite"])
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
     hf = hf_reference(path)
@@ -79,7 +83,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gpt_neox", "granite"])
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
     # 10 blocks of 8 tokens: far less than the batch needs at once, more than any one request.
@@ -92,7 +96,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope", "mixtral", "qwen2_moe", "gpt_neox", "granite"])
 def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm, monkeypatch):
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8, **kwargs)
