@@ -65,13 +65,14 @@ def check_checkpoint(path: Path) -> ModelSpec:
     """What loading ``path`` would reject, found without loading a tensor: a ``config.json``
     that parses and names a supported architecture, safetensors files whose headers read, a
     tokenizer; for GGUF, metadata naming a supported architecture and tensors of quantization
-    types we can dequantize. ``ValueError`` names the file and the problem."""
+    types we can dequantize. ``ValueError`` names the file and the problem. The architecture is
+    checked as ``model_impl="auto"`` would load it: natively, else through the transformers fallback."""
     file = gguf.find_gguf(path)
     if file is not None:
         spec = gguf.read_spec(file)
         gguf.check_tensors(file)
         return spec
-    spec = ModelSpec.from_pretrained(path)
+    spec, _ = load_spec(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights")

@@ -12,6 +12,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.attention.torch_backend import TorchAttention
+from engine.models.loader import check_checkpoint
 from engine.models.transformers_fallback import _STEP, _Step, paged_attention
 from tests.engine.reference import assert_outputs_match
 
@@ -40,6 +41,10 @@ def test_transformers_on_llama_gives_the_native_tokens(tiny_models, hf_reference
 def test_auto_picks_native_when_the_registry_has_the_architecture(tiny_models, make_llm):
     assert make_llm(tiny_models("qwen3")).engine.model_impl == "native"
     assert make_llm(tiny_models("granite")).engine.model_impl == "transformers"
+
+
+def test_a_fallback_checkpoint_passes_the_submit_check(tiny_models):
+    assert check_checkpoint(Path(tiny_models("granite"))).architecture == "GraniteForCausalLM"
 
 
 def test_bad_model_impl_is_refused():
