@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build on machines that carry its wheel locally; the CUDA build from PyPI elsewhere.
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_WORKERS ?= 2
+# Three test processes on two cores: many tests wait on workers, brokers and timers, not the CPU.
+PYTEST_WORKERS ?= 3
 
 .PHONY: setup run run-engine tiny-model lint test bench gpu-check clean
 
