@@ -35,7 +35,6 @@ version.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -44,12 +43,13 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.core.file_lock import file_lock
 from worker.core.settings import Settings
 from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable, validate_key
 from worker.store.objects.s3 import ObjectChanged, ObjectInfo, S3Store
@@ -203,7 +203,7 @@ class ModelCache:
         final = self.root / "models" / m.dir_name
         for sub in ("models", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        with _file_lock(self.root / "locks" / f"{m.dir_name}.lock"):
+        with file_lock(self.root / "locks" / f"{m.dir_name}.lock"):
             stale = [*(self.root / "tmp").glob(f"{m.dir_name}.*"), *final.parent.glob(f"{m.dir_name}.old-*")]
             for path in stale:  # a crashed fetch's leftovers
                 shutil.rmtree(path, ignore_errors=True)
@@ -383,20 +383,3 @@ def _replace_dir(new: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(new, final)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across this machine's processes (POSIX ``flock``;
-    where there is none, no lock), as ``schema.py`` takes ``schema.lock``."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: nothing to lock with
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

@@ -6,8 +6,6 @@ what a worker runs at start, refusing an outdated schema with a message saying w
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -16,6 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, Connection, Engine
 
+from worker.core.file_lock import file_lock
 from worker.core.settings import Settings, redact_url
 from worker.store.database import create_db_engine, normalize_url
 
@@ -100,23 +99,6 @@ def ensure_schema(settings: Settings, engine: Engine) -> str:
         # Two processes starting at once (a worker and a submit) would both create the tables
         # (SQLite runs DDL outside a transaction): one migrates at a time, the other then finds
         # the schema at head.
-        with _migration_lock(settings.ensure_home() / "schema.lock"):
+        with file_lock(settings.ensure_home() / "schema.lock"):
             return upgrade_database(engine.url)
     return check_schema(engine)
-
-
-@contextlib.contextmanager
-def _migration_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across the processes of this machine (POSIX ``flock``;
-    where there is none, no lock)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: nothing to lock with
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
