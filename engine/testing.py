@@ -141,21 +141,20 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path, family)
     vocab = len(tokenizer)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if family in FALLBACK_FAMILIES:
-        fallback_kwargs = dict(
-            vocab_size=vocab,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **FALLBACK_FAMILIES[family],
-        )
+        fallback_kwargs = {**common, "tie_word_embeddings": bool(tie_word_embeddings), **FALLBACK_FAMILIES[family]}
         if family == "gpt_neox":  # no GQA: it would keep the number as a stray attribute
             del fallback_kwargs["num_key_value_heads"]
         fallback_config = transformers.AutoConfig.for_model(family, **fallback_kwargs)
@@ -171,20 +170,7 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
     if head_dim is not None or family in ("qwen3", "qwen3_moe"):
