@@ -176,9 +176,10 @@ class DependencyGate:
                     log.warning("%s still unreachable after %.0f s: %s", dependency, took, outage.error)
                 pause = min(pause * 2, self._backoff_max)
                 continue
+            # Said before the gate opens, so whoever sees it open has also seen it said.
             with self._cv:
                 outage = self._down.pop(dependency, None)
+                took = 0.0 if outage is None else time.monotonic() - outage.since
+                log.warning("%s back after %.0f s; resuming shards", dependency, took)
                 self._cv.notify_all()
-            took = 0.0 if outage is None else time.monotonic() - outage.since
-            log.warning("%s back after %.0f s; resuming shards", dependency, took)
             return
