@@ -127,9 +127,10 @@ def test_a_kombu_producer_submits_twice_and_hears_the_end_once(
         # A worker that died after recording a job, before sending its intake: the message is
         # delivered again (late acks) and the job, still validating, is taken up.
         crashed = f"crashed-{uuid.uuid4().hex[:8]}"
+        # (made as the message below would have made it: a key names one submission)
         orphan, _ = create_job(
             client.db, client.store, client.settings, uri, SubmitOptions(model=stack.model),
-            idempotency_key=crashed, notify={"queue": replies},
+            metadata={"run": "nightly"}, idempotency_key=crashed, notify={"queue": replies},
         )  # fmt: skip
         example.submit(conn, {**fields, "idempotency_key": crashed}, prefix)
         end = example.wait_for_end(conn, replies, key, timeout=120)

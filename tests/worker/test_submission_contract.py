@@ -194,6 +194,37 @@ def test_a_worker_takes_a_message_once_per_key(local, settings, tiny_model) -> N
     assert dropped == {"job_id": None, "status": None, "created": False, "refused": "idempotency_key is required"}
 
 
+def test_a_key_reused_for_another_submission_is_refused_and_changes_nothing(local, settings, tiny_model) -> None:
+    db, store = local
+    store.put_bytes("inputs/a.jsonl", jsonl(openai_lines(1)))
+    store.put_bytes("inputs/b.jsonl", jsonl(openai_lines(2)))
+    intakes: list[str] = []
+
+    def take(kwargs: dict) -> dict:
+        return handle_submission(
+            db, store, settings, [], kwargs, enqueue_intake=intakes.append, announce=lambda _: None
+        )
+
+    msg = {"input_uri": store.uri("inputs/a.jsonl"), "model": tiny_model, "idempotency_key": "k-1",
+           "metadata": {"team": "a"}, "priority": 2}  # fmt: skip
+    first = take(msg)
+    assert first["created"] and first["refused"] is None
+    assert take(msg)["refused"] is None  # the same message again is a redelivery, not a reuse
+    for change, named in (
+        ({"input_uri": store.uri("inputs/b.jsonl")}, "input_uri"),
+        ({"metadata": {"team": "b"}}, "metadata"),
+        ({"priority": 3}, "priority"),
+        ({"completion_window": "2h"}, "completion_window"),
+    ):
+        reused = take({**msg, **change})
+        assert reused["job_id"] == first["job_id"] and not reused["created"]
+        assert reused["refused"] is not None and f"different {named}" in reused["refused"], reused
+        assert "new key" in reused["refused"]
+    assert intakes == [first["job_id"]] * 2  # refusals send nothing
+    job = get_job(db, first["job_id"])
+    assert (job["input_uri"], job["metadata"], job["priority"]) == (store.uri("inputs/a.jsonl"), {"team": "a"}, 2)
+
+
 def test_the_input_format_comes_from_the_object(local, settings, tiny_model) -> None:
     db, store = local
     store.put_bytes("in/batch.csv", jsonl(openai_lines(1)))  # JSONL despite its name

@@ -1,7 +1,10 @@
 """Taking a ``conveyor.submit_job`` message (the contract: ``worker.broker.submission_contract``).
 
 1. The message is checked field by field (``parse_submission``). A key that already names a
-   job (a duplicate, a redelivery) makes nothing new: that job is the answer.
+   job (a duplicate, a redelivery) makes nothing new: that job is the answer. A key reused
+   for a different submission (another input, model, window, priority, shard size or
+   metadata) is refused and changes nothing: a key names one submission, as an HTTP
+   ``Idempotency-Key`` does.
 2. Its input must be an object under the configured store (``ObjectStore.key_of``), not one
    of Conveyor's own job objects (``jobs/...``), that this worker can read: its first bytes
    are read, and with its name give its format when the message names none (as
@@ -30,7 +33,7 @@ from sqlalchemy.engine import Engine
 from worker.batchio.readers import detect_format
 from worker.batchio.records import InputFormat
 from worker.broker.announce import describe_target
-from worker.broker.submission_contract import InvalidSubmission, parse_submission
+from worker.broker.submission_contract import InvalidSubmission, Submission, parse_submission
 from worker.core.settings import Settings
 from worker.jobs.keyed_submissions import job_with_key, record_refusal
 from worker.jobs.submission import SubmitOptions, create_job
@@ -112,6 +115,13 @@ def handle_submission(
             )
             return _refuse(db, settings, refusal, kwargs, announce, task_id)
     job_id, status = job["id"], JobStatus(job["status"])
+    if not created and (differs := fields_differing(job, sub)):
+        reason = (
+            f"idempotency_key {sub.idempotency_key!r} already names job {job_id}, submitted with a different "
+            f"{', '.join(differs)}; send a new submission under a new key"
+        )
+        log.error("refused submission (task %s): %s; job %s is left as it is", task_id, reason, job_id)
+        return {"job_id": job_id, "status": status.value, "created": False, "refused": reason}
     if status is JobStatus.validating:
         enqueue_intake(job_id)  # again for a redelivery: the job may never have been ingested
     if created:
@@ -122,6 +132,25 @@ def handle_submission(
     if status.terminal:
         announce(job_id)  # a duplicate of a finished job: publishes only if still due
     return {"job_id": job_id, "status": status.value, "created": created, "refused": None}
+
+
+def fields_differing(job: dict[str, Any], sub: Submission) -> list[str]:
+    """The submission's fields that differ from the job its key names (fields the message left
+    to their defaults are not compared). A recorded refusal (no input) is the key's answer to
+    whatever comes under it, so nothing differs from it."""
+    if job.get("input_uri") is None:
+        return []
+    asked: dict[str, Any] = {
+        "input_uri": sub.input_uri,
+        "model": sub.model,
+        "priority": sub.priority,
+        "metadata": sub.metadata or None,
+    }
+    if sub.completion_window is not None:
+        asked["completion_window"] = sub.completion_window
+    if sub.shard_size is not None:
+        asked["shard_size"] = sub.shard_size
+    return [name for name, value in asked.items() if (job.get(name) or None) != (value or None)]
 
 
 def _refuse(
