@@ -185,6 +185,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
         Index("ix_jobs_owner_created", "owner", "created_at"),
+        Index("ix_jobs_status_expires", "status", "expires_at"),  # the expiry sweep
         UniqueConstraint("idempotency_key", name="uq_jobs_idempotency_key"),
         # The outbox: jobs with an announcement still to publish (few), found without
         # reading every finished job.
