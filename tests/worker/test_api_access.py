@@ -67,6 +67,17 @@ def test_keys_see_only_their_own_files_and_batches(server) -> None:
     assert alice.batches.retrieve(batch.id).status == "validating"
 
 
+def test_a_cancel_answers_cancelling_at_once_and_the_batch_then_ends_cancelled(server) -> None:
+    alice = server.client(server.new_key("alice"))
+    batch = alice.batches.create(input_file_id=upload(alice, batch_lines(2)), endpoint=CHAT, completion_window="24h")
+    answer = alice.batches.cancel(batch.id)  # the files are written after the answer, not before
+    assert answer.status == "cancelling" and answer.cancelling_at is not None and answer.cancelled_at is None
+    wait_for(lambda: alice.batches.retrieve(batch.id).status == "cancelled", 30, "the cancel to finish")
+    done = alice.batches.retrieve(batch.id)
+    assert done.cancelled_at is not None and done.request_counts is not None and done.request_counts.completed == 0
+    assert alice.batches.cancel(batch.id).status == "cancelled"  # again: nothing changes
+
+
 def test_a_missing_wrong_or_revoked_key_gets_401(server, env, embedded_stack, capsys) -> None:
     from worker.entrypoints.cli import main
 

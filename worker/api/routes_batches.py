@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from worker.api.auth import Caller
 from worker.api.batch_create import create_batch, parse_body, read_json_body
 from worker.api.errors import ApiError
 from worker.api.services import Services
+from worker.jobs.lifecycle import finish_cancel
 from worker.jobs.owned_jobs import MAX_LIST_LIMIT, NotCancellable, cancel_owned_batch, list_owned_batches, owned_batch
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -60,9 +61,14 @@ def retrieve_batch(batch_id: str, owner: Caller, services: Services) -> dict[str
 
 
 @router.post("/{batch_id}/cancel")
-def cancel_batch(batch_id: str, owner: Caller, services: Services) -> dict[str, Any]:
-    hb = services.settings.heartbeat_seconds
+def cancel_batch(batch_id: str, owner: Caller, services: Services, background: BackgroundTasks) -> dict[str, Any]:
+    """Answers ``cancelling`` at once, as OpenAI does; the job's files are written after the
+    answer is sent (they can be large), or by a worker's sweeper if this process stops first."""
     try:
-        return api_batch(cancel_owned_batch(services.db, services.store, batch_id, owner.id, heartbeat_seconds=hb))
+        batch = cancel_owned_batch(services.db, batch_id, owner.id)
     except NotCancellable as exc:
         raise ApiError(409, str(exc)) from None
+    if batch["status"] == "cancelling":
+        hb = services.settings.heartbeat_seconds
+        background.add_task(finish_cancel, services.db, services.store, batch_id, heartbeat_seconds=hb)
+    return api_batch(batch)

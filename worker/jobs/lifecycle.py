@@ -73,6 +73,15 @@ def list_jobs(
 def cancel_job(db: Engine, store: ObjectStore, job_id: str, *, heartbeat_seconds: float = 10.0) -> dict[str, Any]:
     """Stop a job: no new shard starts, running shards abort their in-flight items within
     ``cancel_poll_seconds``, results so far are kept. Idempotent; a finished job is left as is."""
+    request_cancel(db, job_id)
+    finish_cancel(db, store, job_id, heartbeat_seconds=heartbeat_seconds)
+    return get_job(db, job_id)
+
+
+def request_cancel(db: Engine, job_id: str) -> None:
+    """The quick half of a cancel: the job becomes ``cancelling`` and its pending shards
+    ``cancelled`` (running ones see it and stop). ``finish_cancel`` writes the files; if the
+    caller never gets to it, a worker's sweeper does (``worker.jobs.sweeper``)."""
     object_keys.check_job_id(job_id)
     t = now()
     with db.begin() as conn:
@@ -89,9 +98,13 @@ def cancel_job(db: Engine, store: ObjectStore, job_id: str, *, heartbeat_seconds
             .where(Shard.job_id == job_id, Shard.status == ShardStatus.pending)
             .values(status=ShardStatus.cancelled, finished_at=t)
         )
+
+
+def finish_cancel(db: Engine, store: ObjectStore, job_id: str, *, heartbeat_seconds: float = 10.0) -> None:
+    """The slow half: once no shard runs, finalise the job (its results and errors files,
+    ``cancelled``); a finalisation that stalled is redone."""
     if finalize_if_ready(db, store, job_id, heartbeat_seconds=heartbeat_seconds) is None:
         _refinalize_if_stalled(db, store, job_id, heartbeat_seconds)
-    return get_job(db, job_id)
 
 
 def _refinalize_if_stalled(db: Engine, store: ObjectStore, job_id: str, heartbeat_seconds: float) -> None:

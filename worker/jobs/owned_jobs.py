@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 
 from worker.jobs import object_keys
 from worker.jobs.expiry import expire_if_due
-from worker.jobs.lifecycle import JobNotFound, cancel_job
+from worker.jobs.lifecycle import JobNotFound, request_cancel
 from worker.store.database import make_sessionmaker
 from worker.store.items import item_counts
 from worker.store.models import Job, JobStatus, now
@@ -95,10 +95,9 @@ def list_owned_batches(db: Engine, owner: str | None, *, limit: int = 20, after:
     }
 
 
-def cancel_owned_batch(
-    db: Engine, store: ObjectStore, job_id: str, owner: str | None, *, heartbeat_seconds: float = 10.0
-) -> dict[str, Any]:
-    """Cancel ``owner``'s job (results so far kept). Cancelling a cancelled (or cancelling)
+def cancel_owned_batch(db: Engine, job_id: str, owner: str | None) -> dict[str, Any]:
+    """Start cancelling ``owner``'s job (results so far kept; ``finish_cancel`` writes its
+    files, and a worker's sweeper does if nobody does). Cancelling a cancelled (or cancelling)
     job changes nothing; ``NotCancellable`` for one that completed, failed or expired."""
     job = _load(db, job_id, owner)
     status = JobStatus(job.status)
@@ -106,7 +105,7 @@ def cancel_owned_batch(
     if status in (JobStatus.completed, JobStatus.failed, JobStatus.expired) or expiring:
         raise NotCancellable(f"Cannot cancel a batch with status '{'expired' if expiring else status.value}'.")
     if status not in (JobStatus.cancelling, JobStatus.cancelled):
-        cancel_job(db, store, job_id, heartbeat_seconds=heartbeat_seconds)
+        request_cancel(db, job_id)
     return _view(db, _load(db, job_id, owner))
 
 
