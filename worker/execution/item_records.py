@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import RequestOutput, SamplingParams
+from engine.token_pieces import TokenPieces
 from worker.batchio.output_lines import Choice, response_body, stable_id
 from worker.batchio.records import ParsedRequest
 from worker.batchio.request_body import CHAT
@@ -18,7 +19,6 @@ from worker.execution.engine_host import Completion
 from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
 
-TokenText = Callable[[int], str]
 Decode = Callable[[list[int]], str]
 
 
@@ -68,7 +68,7 @@ def error_record(
 
 
 def completion_record(
-    ctx: ItemContext, req: ParsedRequest, completion: Completion, token_text: TokenText, decode: Decode | None = None
+    ctx: ItemContext, req: ParsedRequest, completion: Completion, pieces: TokenPieces, decode: Decode | None = None
 ) -> ItemRecord:
     """The stored item for a request the engine finished (or refused). ``decode`` gives the
     text of a prompt sent as token ids, for ``echo``."""
@@ -90,7 +90,7 @@ def completion_record(
         Choice(
             clean_text(echoed + o.text),
             o.finish_reason,
-            _logprobs(req.endpoint, o, top, token_text) if top is not None else None,
+            _logprobs(req.endpoint, o, top, pieces) if top is not None else None,
         )
         for o in outputs
     ]
@@ -159,38 +159,45 @@ def tool_choices(job_id: str, custom_id: str, tools: ToolRequest, choices: list[
     return out
 
 
-def _logprobs(endpoint: str, out: RequestOutput, top: int, token_text: TokenText) -> dict[str, Any] | None:
-    """The engine's per-token ``{token_id: logprob}`` in the endpoint's OpenAI shape."""
+def _logprobs(endpoint: str, out: RequestOutput, top: int, pieces: TokenPieces) -> dict[str, Any] | None:
+    """The engine's per-token ``{token_id: logprob}`` in the endpoint's OpenAI shape (chat's
+    ``bytes`` are each token's own bytes, also where its text alone is part of a character)."""
     if out.logprobs is None:
         return None
-    chosen: list[tuple[str, float | None]] = []
-    alternatives: list[list[tuple[str, float]]] = []
+
+    def text(token_id: int) -> str:
+        return clean_text(pieces.text_of(token_id))
+
+    chosen: list[tuple[int, float | None]] = []
+    alternatives: list[list[tuple[int, float]]] = []
     for token_id, entry in zip(out.token_ids, out.logprobs, strict=False):
         ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
         lp = entry.get(token_id)
-        chosen.append((token_text(token_id), None if lp is None else _finite(lp)))
-        alternatives.append([(token_text(t), _finite(p)) for t, p in ranked])
+        chosen.append((token_id, None if lp is None else _finite(lp)))
+        alternatives.append([(t, _finite(p)) for t, p in ranked])
     if endpoint == CHAT:
         return {
             "content": [
                 {
-                    "token": text,
+                    "token": text(token_id),
                     "logprob": lp,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8"))} for t, p in alts],
+                    "bytes": list(pieces.bytes_of(token_id)),
+                    "top_logprobs": [
+                        {"token": text(t), "logprob": p, "bytes": list(pieces.bytes_of(t))} for t, p in alts
+                    ],
                 }
-                for (text, lp), alts in zip(chosen, alternatives, strict=True)
+                for (token_id, lp), alts in zip(chosen, alternatives, strict=True)
             ],
             "refusal": None,
         }
     offsets, pos = [], 0
-    for text, _ in chosen:
+    for token_id, _ in chosen:
         offsets.append(pos)
-        pos += len(text)
+        pos += len(text(token_id))
     return {
-        "tokens": [text for text, _ in chosen],
+        "tokens": [text(token_id) for token_id, _ in chosen],
         "token_logprobs": [lp for _, lp in chosen],
-        "top_logprobs": [dict(alts) for alts in alternatives],
+        "top_logprobs": [{text(t): p for t, p in alts} for alts in alternatives],
         "text_offset": offsets,
     }
 

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import select
 
+from engine.token_pieces import TokenPieces
 from worker.batchio.records import ParsedRequest
 from worker.core.periodic import Periodic
 from worker.execution.context import WorkerContext
@@ -56,7 +57,6 @@ from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import Completion, RequestHandle
 from worker.execution.item_records import (
     ItemContext,
-    clean_text,
     completion_record,
     engine_prompt,
     error_record,
@@ -414,7 +414,7 @@ class ShardRunner:
                 on_done=finished.put,
             )
             self._handles[handle.request_id] = handle
-        token_text = _token_text(host.tokenizer)
+        pieces = TokenPieces(host.tokenizer)
         decode = _decode(host.tokenizer)
         next_poll = time.monotonic() + s.cancel_poll_seconds
         drain_deadline: float | None = None
@@ -426,7 +426,7 @@ class ShardRunner:
             except queue.Empty:
                 finished_handle = None
             if finished_handle is not None and self._handles.pop(finished_handle.request_id, None) is not None:
-                record = self._record(finished_handle, token_text, decode)
+                record = self._record(finished_handle, pieces, decode)
                 if record is not None:
                     self._buffer.add(record)
             if self._buffer.due():
@@ -467,7 +467,7 @@ class ShardRunner:
                 raise
             self._flush_after = time.monotonic() + 1.0
 
-    def _record(self, handle: RequestHandle, token_text: Any, decode: Any) -> ItemRecord | None:
+    def _record(self, handle: RequestHandle, pieces: TokenPieces, decode: Any) -> ItemRecord | None:
         req: ParsedRequest = handle.tag
         try:
             completion: Completion = handle.future.result()
@@ -479,7 +479,7 @@ class ShardRunner:
             return error_record(
                 self._item_ctx, req, code="aborted", message="the engine aborted the request", status_code=500
             )
-        return completion_record(self._item_ctx, req, completion, token_text, decode)
+        return completion_record(self._item_ctx, req, completion, pieces, decode)
 
     def _job_stopping(self) -> bool:
         try:
@@ -562,17 +562,6 @@ def _newly_stored(records: list[ItemRecord], new_ids: list[str]) -> list[ItemRec
             new.discard(record.custom_id)
             fresh.append(record)
     return fresh
-
-
-def _token_text(tokenizer: Any):
-    cache: dict[int, str] = {}
-
-    def text(token_id: int) -> str:
-        if token_id not in cache:
-            cache[token_id] = clean_text(tokenizer.decode([token_id]))
-        return cache[token_id]
-
-    return text
 
 
 def _decode(tokenizer: Any):
