@@ -10,7 +10,11 @@ Layout (fixed by the engine)::
     seq_lens     [num_seqs] int32                        context length incl. the new tokens
 
 Query ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends to
-keys ``0..position`` (the causal mask is offset by the tokens already in the cache).
+keys ``0..position`` (the causal mask is offset by the tokens already in the cache). A
+``sliding_window`` of ``W`` keeps the last ``W`` of them (``position - key < W``): key tiles
+wholly before a query block's window are not visited. A ``softcap`` of ``c`` turns each
+scaled score ``s`` into ``c * tanh(s / c)`` before the softmax (Gemma 2). Both are
+compile-time constants, so a model without them runs the same code as before.
 
 Kernel structure
 ----------------
@@ -80,6 +84,8 @@ def _paged_attn_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none
+    SOFTCAP: tl.constexpr,  # 0.0: none
 ):
     qb = tl.program_id(0)
     seq = tl.program_id(1)
@@ -112,11 +118,17 @@ def _paged_attn_kernel(
     )
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Keys this query block needs: 0 .. position of its last query (inclusive).
+    # Keys this query block needs: 0 (or its first query's window start) .. position of its
+    # last query (inclusive).
     last_q = tl.minimum(q_len, (qb + 1) * BLOCK_Q) - 1
     kv_end = ctx_len + last_q + 1
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-    lo = split * chunk
+    if SLIDING_WINDOW > 0:  # (a compile-time branch: without a window the code is as before)
+        kv_start = tl.maximum(ctx_len + qb * BLOCK_Q - (SLIDING_WINDOW - 1), 0)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        lo = kv_start + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -141,8 +153,15 @@ def _paged_attn_kernel(
         )
         # fp32 inputs: full precision, not TF32 (IEEE_DOT is a constexpr: one branch is compiled)
         s = tl.dot(q, kt, input_precision="ieee") if IEEE_DOT else tl.dot(q, kt)
-        s = s * scale_log2e
+        if SOFTCAP > 0.0:
+            # c * tanh(x / c) in log2 units, tanh(t) = 1 - 2 / (e^2t + 1) (safe at both ends)
+            t = s * (scale_log2e / (SOFTCAP * 1.4426950408889634))
+            s = (SOFTCAP * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp2(t * (2.0 * 1.4426950408889634)) + 1.0))
+        else:
+            s = s * scale_log2e
         keep = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
+        if SLIDING_WINDOW > 0:
+            keep = keep & (kpos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -309,6 +328,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged KV cache (see module docstring).
 
@@ -316,7 +337,12 @@ def paged_attention(
     batches that would not fill the GPU); an int forces that many key splits (1 = off).
     ``out``: optional preallocated ``[num_tokens, num_q_heads, head_dim]`` output.
     ``block_m`` / ``tile_n``: override the tile shapes (tests).
+    ``sliding_window`` / ``softcap``: see the module docstring (None: none).
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, head_dim_c = k_cache.shape
     assert head_dim_c == head_dim, (head_dim_c, head_dim)
@@ -350,9 +376,9 @@ def paged_attention(
     block_q = bm // g_pad
     num_q_blocks = cdiv(max(max_query_len, 1), block_q)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            num_seqs, num_kv_heads, num_q_blocks, max_seq_len, tn, device_num_sms(q.device)
-        )
+        # (a query block reads at most its window's keys)
+        span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_q - 1)
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, num_q_blocks, span, tn, device_num_sms(q.device))
     num_kv_splits = max(1, int(num_kv_splits))
     if is_interpreting():
         num_stages = 1
@@ -403,6 +429,8 @@ def paged_attention(
         TILE_N=tn,
         NUM_SPLITS=num_kv_splits,
         IEEE_DOT=q.dtype == torch.float32,
+        SLIDING_WINDOW=int(sliding_window or 0),
+        SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

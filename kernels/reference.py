@@ -10,6 +10,9 @@ Layouts (shared with the Triton kernels and the engine):
   ``i`` of a request with ``q_len`` new tokens sits at position ``seq_len - q_len + i`` and sees
   keys ``0..position``: one definition for decode, prefill, chunked prefill and prefill over
   a cached prefix. Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+  With a ``sliding_window`` of ``W`` it sees only the last ``W`` of those keys (key ``k`` with
+  ``position - k < W``, transformers' sliding-window mask); with a ``softcap`` of ``c`` the
+  scaled scores ``s`` become ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2).
 
 Numerics of RMSNorm and SiLU-and-mul follow the Hugging Face Llama/Qwen modules exactly, so
 a model gives transformers' outputs through either the reference or the Triton kernel
@@ -56,6 +59,9 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -69,8 +75,13 @@ def paged_attention(
         v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         qb = q[s:e].float()
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
-        visible = torch.arange(seq_len).unsqueeze(0) <= q_pos
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
@@ -96,3 +107,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x[..., :d], x[..., d:]
     act = torch.nn.functional.silu(gate.float()).to(x.dtype)
     return (act.float() * up.float()).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts feed-forward: each token's routing-weighted sum of its top-k experts'
+    SiLU-gated MLPs. ``x [tokens, hidden]``; ``w13 [experts, 2 * inter, hidden]`` (gate rows
+    then up rows); ``w2 [experts, hidden, inter]``; ``topk_weights``/``topk_ids [tokens, k]``.
+
+    Numerics, shared with the Triton kernel: each projection's output rounds to ``x.dtype``;
+    SiLU-and-mul as ``silu_and_mul``; the down output times its routing weight (in the
+    weight's dtype, e.g. float32) rounds to ``x.dtype`` before the sum over the top-k."""
+    tokens, k = topk_ids.shape
+    per_choice = torch.zeros((tokens, k, x.shape[1]), dtype=x.dtype, device=x.device)
+    for expert in range(w13.shape[0]):
+        token, choice = torch.nonzero(topk_ids == expert, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = silu_and_mul(x[token] @ w13[expert].T) @ w2[expert].T
+        per_choice[token, choice] = (h * topk_weights[token, choice].unsqueeze(-1)).to(x.dtype)
+    return per_choice.sum(dim=1)

@@ -14,10 +14,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.fused_moe import _down_weighted_kernel, _gate_up_silu_kernel, choose_tiles
 from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
 from kernels.kv_cache_write import _write_kv_cache_kernel
 from kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel
@@ -55,7 +57,7 @@ def _spill_bytes(kernel) -> int | None:
     return None
 
 
-def attention(dt, arch, group, head_dim, max_query_len, splits):
+def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softcap=0.0):
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     bm, tn, nw, ns = _pick_tiles(max_query_len, g_pad, d_pad, ELEM[dt])
@@ -84,6 +86,8 @@ def attention(dt, arch, group, head_dim, max_query_len, splits):
         TILE_N=tn,
         NUM_SPLITS=splits,
         IEEE_DOT=dt == "fp32",
+        SLIDING_WINDOW=window,  # constants of the kernel: 0 compiles the code without a window
+        SOFTCAP=softcap,
     )
     strides = [n for n in _paged_attn_kernel.arg_names if n.startswith("stride_")]
     strides.remove("stride_bt")
@@ -98,6 +102,8 @@ def attention(dt, arch, group, head_dim, max_query_len, splits):
         head_dim=head_dim,
         max_query_len=max_query_len,
         splits=splits,
+        window=window,
+        softcap=softcap,
         config=[bm, tn, nw, ns],
         shared=k.metadata.shared,
         spill=_spill_bytes(k),
@@ -131,8 +137,64 @@ def others(arch):
     return dict(kernel="others", arch=arch)
 
 
+def moe(dt, arch, num_tokens, top_k, num_experts):
+    """Both fused-MoE kernels with the tiles ``choose_tiles`` picks for this batch shape."""
+    tiles = choose_tiles(
+        num_tokens, top_k, num_experts, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    )
+    ptr = "*" + dt
+    consts = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE_DOT=dt == "fp32")
+    opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    t = GPUTarget("cuda", arch, 32)
+    gate_up = _compile(
+        _gate_up_silu_kernel,
+        dict(x_ptr=ptr, w13_ptr=ptr, act_ptr=ptr, sorted_ids_ptr="*i32", block_expert_ptr="*i32"),
+        {**consts, "TOP_K": top_k},
+        t,
+        div16=("inter", "hidden", "stride_xt", "stride_we", "stride_wn", "stride_ar"),
+        **opts,
+    )
+    down = _compile(
+        _down_weighted_kernel,
+        dict(
+            act_ptr=ptr,
+            w2_ptr=ptr,
+            out_ptr=ptr,
+            topk_weights_ptr="*fp32",
+            sorted_ids_ptr="*i32",
+            block_expert_ptr="*i32",
+        ),
+        consts,
+        t,
+        div16=("hidden", "inter", "stride_ar", "stride_we", "stride_wn", "stride_or"),
+        **opts,
+    )
+    return [
+        dict(
+            kernel=f"fused_moe/{name}",
+            dtype=dt,
+            arch=arch,
+            config=[tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages],
+            shared=k.metadata.shared,
+            spill=_spill_bytes(k),
+        )
+        for name, k in (("gate_up", gate_up), ("down", down))
+    ]
+
+
 def main():
     results = []
+    # (dtype, tokens, top_k, experts): decode and prefill tiles, Mixtral- and Qwen3-MoE-like.
+    for dt, tokens, top_k, experts in [
+        ("bf16", 8, 2, 8),
+        ("bf16", 4096, 2, 8),
+        ("bf16", 64, 8, 128),
+        ("bf16", 4096, 8, 128),
+        ("fp16", 4096, 2, 8),
+        ("fp32", 4096, 2, 8),
+    ]:
+        for arch in (90, 80):
+            results.extend(moe(dt, arch, tokens, top_k, experts))
     # (dtype, group, head_dim, max_query_len, splits, archs)
     configs = [
         ("bf16", 4, 128, 1, 1, (90, 80)),  # Llama-3-8B decode
@@ -151,6 +213,9 @@ def main():
     for dt, group, head_dim, mql, splits, archs in configs:
         for arch in archs:
             results.append(attention(dt, arch, group, head_dim, mql, splits))
+    # Gemma 2 9B-like layers: a 4096-token window and a soft cap of 50 on the scores.
+    for mql, splits in ((1, 1), (1, 8), (512, 1)):
+        results.append(attention("bf16", 90, 2, 256, mql, splits, window=4096, softcap=50.0))
     print(json.dumps(results))
 
 

@@ -1,0 +1,162 @@
+"""MoE feed-forward benchmark: the fused Triton kernel (``kernels.fused_moe``) vs the
+token-sorted torch path (``engine.models.moe.moe_sorted``), one layer's experts.
+
+    python -m benchmarks.bench_moe                                # both shapes, 1 .. 4096 tokens
+    python -m benchmarks.bench_moe --shapes qwen3-moe --tokens 1 8 64 --dtype float16
+
+Shapes: Mixtral-8x7B-like (8 experts, top-2, hidden 4096, expert inter 14336) and
+Qwen3-30B-A3B-like (128 experts, top-8, hidden 2048, expert inter 768). Routing is random
+(softmax of normal logits, top-k, renormalised), so experts are loaded about evenly.
+For each token count it prints the median time of both paths, the kernel's speed-up, its
+TFLOP/s and the bandwidth of reading the experts the batch touches, and the kernel replayed
+from a CUDA graph (the way decode runs it: this also proves the path is capturable).
+Writes benchmarks/results/moe_<gpu>.json. Needs a CUDA GPU; elsewhere it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks.common import RESULTS, write_results
+from engine.models.moe import moe_sorted, route
+from kernels.interpreter import kernel_device
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+SHAPES = {
+    "mixtral": MoEShape(experts=8, top_k=2, hidden=4096, inter=14336),
+    "qwen3-moe": MoEShape(experts=128, top_k=8, hidden=2048, inter=768),
+}
+
+
+def _bench(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median milliseconds of ``fn`` (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _graph_ms(fn) -> float | str:
+    """``fn`` captured once in a CUDA graph, then replayed: median ms (or why capture failed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up (Triton compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        return f"capture failed: {e}"
+    return _bench(graph.replay)
+
+
+def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype) -> list[dict]:
+    from kernels.fused_moe import choose_tiles, fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    w13 = torch.randn(e, 2 * i, h, generator=g, device="cuda", dtype=dtype) * h**-0.5
+    w2 = torch.randn(e, h, i, generator=g, device="cuda", dtype=dtype) * i**-0.5
+    rows = []
+    print(f"\n{name}: {asdict(shape)}, {str(dtype)[6:]}")
+    hdr = (
+        f"{'tokens':>7} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'TFLOP/s':>8} {'GB/s':>7} "
+        f"{'graph ms':>9} {'max err':>8}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for n in tokens:
+        x = torch.randn(n, h, generator=g, device="cuda", dtype=dtype)
+        logits = torch.randn(n, e, generator=g, device="cuda")
+        weights, ids = route(logits, shape.top_k, renormalize=True, weight_dtype=torch.float32)
+        want = moe_sorted(x, w13, w2, weights, ids)
+        got = fused_moe(x, w13, w2, weights, ids)
+        err = (got.float() - want.float()).abs().max().item()
+        torch_ms = _bench(functools.partial(moe_sorted, x, w13, w2, weights, ids))
+        kernel_ms = _bench(functools.partial(fused_moe, x, w13, w2, weights, ids))
+        graph_ms = _graph_ms(functools.partial(fused_moe, x, w13, w2, weights, ids))
+        touched = int(torch.unique(ids).numel())
+        flops = 2 * n * shape.top_k * 3 * h * i
+        weight_bytes = touched * 3 * h * i * w13.element_size()
+        row = {
+            "tokens": n,
+            "torch_ms": torch_ms,
+            "kernel_ms": kernel_ms,
+            "speedup": torch_ms / kernel_ms,
+            "kernel_tflops": flops / (kernel_ms * 1e-3) / 1e12,
+            "kernel_weight_gbs": weight_bytes / (kernel_ms * 1e-3) / 1e9,
+            "experts_touched": touched,
+            "graph_ms": graph_ms,
+            "max_abs_err_vs_torch": err,
+            "block_m": choose_tiles(n, shape.top_k, e).block_m,
+        }
+        rows.append(row)
+        graph = f"{graph_ms:9.3f}" if isinstance(graph_ms, float) else f"{'failed':>9}"
+        print(
+            f"{n:>7} {torch_ms:9.3f} {kernel_ms:10.3f} {row['speedup']:7.2f}x {row['kernel_tflops']:8.1f} "
+            f"{row['kernel_weight_gbs']:7.0f} {graph} {err:8.1e}"
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--out", default=None, help="JSON file name under results/ (default moe_<gpu>.json)")
+    args = ap.parse_args(argv)
+
+    if kernel_device() != "cuda":
+        print("bench_moe: needs a CUDA GPU (and TRITON_INTERPRET unset) to time the kernel; skipping.")
+        return 0
+
+    import triton
+
+    from benchmarks.common import gpu_tag
+
+    dtype = getattr(torch, args.dtype)
+    gpu = torch.cuda.get_device_name(0)
+    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {platform.python_version()}")
+    results = {
+        "gpu": gpu,
+        "triton": triton.__version__,
+        "dtype": args.dtype,
+        "shapes": {
+            name: {**asdict(SHAPES[name]), "rows": run_shape(name, SHAPES[name], args.tokens, dtype)}
+            for name in args.shapes
+        },
+    }
+    write_results(args.out or f"moe_{gpu_tag()}.json", results)
+    print(f"(results under {RESULTS})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

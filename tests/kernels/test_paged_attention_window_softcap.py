@@ -1,0 +1,68 @@
+"""Triton paged attention with a sliding window and attention-logit soft-capping (Gemma 2,
+Mistral) against the torch reference, under the interpreter: windows smaller and larger than
+the contexts, over decode, prefill, chunked prefill and mixed batches, with and without key
+splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference import paged_attention as ref_paged_attention
+
+from ._helpers import TOL, make_batch
+
+# (cached tokens, new query tokens) per request: decodes, a prefill, prefills over a cache.
+REQUESTS = [(30, 1), (0, 21), (13, 9), (3, 1), (40, 5)]
+
+
+def _run(batch, **kwargs):
+    from kernels.triton_ops import paged_attention
+
+    return paged_attention(*batch.args(), **kwargs)
+
+
+def _reference(batch, **kwargs):
+    return ref_paged_attention(*batch.cpu().args(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize(
+    "window,softcap,splits,tile_n",
+    [
+        (8, None, 1, 16),
+        (5, None, 3, 16),
+        (None, 2.0, 1, None),
+        (12, 3.5, 1, 16),
+        (7, 1.5, 2, 16),
+        (1000, None, 1, None),  # wider than every context: plain causal attention
+    ],
+    ids=["window8", "window5-split3", "softcap2", "window12-softcap", "window7-softcap-split2", "wide-window"],
+)
+def test_window_and_softcap_match_the_reference(dtype, window, softcap, splits, tile_n):
+    batch = make_batch(REQUESTS, num_kv_heads=2, group=2, head_dim=32, block_size=4, dtype=dtype, seed=7)
+    out = _run(batch, num_kv_splits=splits, block_m=16, tile_n=tile_n, sliding_window=window, softcap=softcap)
+    ref = _reference(batch, sliding_window=window, softcap=softcap)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), ref.float(), **TOL[dtype])
+
+
+def test_reference_window_and_softcap_change_the_result():
+    """The oracle itself: a window hides old keys and a soft cap bounds the scores, so both
+    change the output of a long context (else the tests above would prove nothing)."""
+    batch = make_batch([(30, 4)], num_kv_heads=1, group=1, head_dim=16, block_size=8, seed=3).cpu()
+    plain = _reference(batch)
+    window = _reference(batch, sliding_window=4)
+    capped = _reference(batch, softcap=0.5)
+    assert not torch.allclose(plain, window) and not torch.allclose(plain, capped)
+    # A window of one token: each query sees only its own key, so the output is its value.
+    own = _reference(batch, sliding_window=1)
+    values = batch.v_cache[batch.block_tables[0, :5].long()].flatten(0, 1)[30:34]
+    torch.testing.assert_close(own, values)
+
+
+@pytest.mark.parametrize("bad", [{"sliding_window": 0}, {"softcap": 0.0}, {"softcap": -1.0}])
+def test_bad_window_or_softcap_is_refused(bad):
+    batch = make_batch([(0, 2)], seed=0)
+    with pytest.raises(ValueError, match="must be positive"):
+        _run(batch, **bad)
