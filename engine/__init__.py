@@ -1,6 +1,7 @@
 """Conveyor's inference engine: continuous batching over a paged KV cache."""
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
@@ -11,6 +12,7 @@ from engine.structured_outputs import StructuredOutputs
 __all__ = [
     "LLM",
     "EngineConfig",
+    "EngineDeadError",
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",

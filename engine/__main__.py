@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches (GPU)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many processes")
     args = ap.parse_args(argv)
 
     model = args.model
@@ -54,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{path} has no prompts")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(model, device=args.device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        llm = LLM(
+            model,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
+from engine.admission import ADMISSION_POLICIES
 from engine.scheduler import WAITING_QUEUES
+from engine.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = tuple(WAITING_QUEUES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -51,12 +54,26 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
+    # Whether a waiting request may start (``engine.admission``): ``watermark`` keeps a small
+    # share of blocks free; ``predicted`` also requires the predicted KV need of everything
+    # running, from the output lengths of finished requests, to fit.
+    admission_policy: str = "watermark"
+    # An inter-token latency target: the prefill tokens per step adapt to keep the p90 of
+    # the steps that carry decodes under it (``engine.chunk_budget``). None: no target, every
+    # step may fill max_num_batched_tokens with prefill.
+    target_itl_ms: float | None = None
     attention_backend: str = "auto"
     model_impl: str = "auto"
     # CUDA graphs for decode batches (GPU, triton backend): off with enforce_eager; batches
     # of up to this many decodes are captured, larger ones run eagerly.
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int = 256
+    # Speculative decoding (``engine.spec_decode``): a ``SpeculativeConfig`` or its fields as a
+    # dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
+    # Tensor parallelism: this many processes (one GPU each on CUDA) each hold a slice of
+    # every layer and of the KV cache (``engine.distributed``).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -73,6 +90,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._check_tensor_parallel_size()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -87,14 +105,42 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy must be one of {ADMISSION_POLICIES}, got {self.admission_policy!r}")
+        if self.target_itl_ms is not None and (
+            isinstance(self.target_itl_ms, bool)
+            or not isinstance(self.target_itl_ms, (int, float))
+            or not math.isfinite(self.target_itl_ms)
+            or self.target_itl_ms <= 0
+        ):
+            raise ValueError(
+                f"target_itl_ms must be a positive number of milliseconds or None, got {self.target_itl_ms!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft" and self.tensor_parallel_size > 1:
+                # The draft would be built inside rank 0's tensor-parallel state, split with no peers.
+                raise ValueError(
+                    "speculative_config method 'draft' is not supported with tensor_parallel_size > 1; "
+                    "use method 'ngram', or one process"
+                )
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+    def _check_tensor_parallel_size(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if size > 1 and self.resolve_device().type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs, but {torch.cuda.device_count()} are visible"
             )
 
     def resolve_device(self) -> torch.device:

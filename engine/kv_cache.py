@@ -14,6 +14,11 @@ that the end of a chain is evicted before its head. Every operation is O(1) per 
 Keys are SHA-256 digests: a wrong cache hit would need a SHA-256 collision among the blocks
 ever cached, which at 2**-128 birthday odds for 2**64 blocks is not a practical concern, so
 tokens are not compared on a hit.
+
+Sliding windows: when every layer of the model attends to a window, the blocks that have
+fallen out of it for good are released while the request runs (``free_outside_window``). Their
+ids stay in its block table, so positions still index it from 0; the attention backends never
+read keys outside the window (masked, and their values are finite whoever reuses the block).
 """
 
 from __future__ import annotations
@@ -170,6 +175,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
+        # Per request: how many of its leading blocks were released (``free_outside_window``).
+        self._num_released: dict[str, int] = {}
 
     # ---- queries ------------------------------------------------------------------
     @property
@@ -260,8 +267,23 @@ class KVCacheManager:
         if len(self._block_ids[rid]) != len(blocks):
             self._block_ids[rid] = [b.block_id for b in blocks]
         if self.enable_caching:
-            self._register_full_blocks(req, blocks, total // self.block_size)
+            # Only verified tokens (``token_ids``) are hashed: a step may also compute proposed
+            # tokens (speculative decoding) that a rejection later overwrites.
+            self._register_full_blocks(req, blocks, min(total, req.num_tokens) // self.block_size)
         return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks past the first ``num_tokens`` tokens of ``req`` (the blocks that a
+        rejection of proposed tokens left empty), tail first. Registered blocks are never past
+        them: they only ever hold verified tokens."""
+        blocks = self._blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert self._num_registered[req.request_id] <= keep
+        self.pool.free(blocks[keep:][::-1])
+        del blocks[keep:]
+        del self._block_ids[req.request_id][keep:]
 
     def _register_full_blocks(self, req: Request, blocks: list[KVBlock], num_full: int) -> None:
         # Registered when scheduled, before the step runs: a request admitted later in the same
@@ -275,9 +297,27 @@ class KVCacheManager:
             self.pool.register(blocks[i], req.block_hashes[i])
         self._num_registered[req.request_id] = num_full
 
+    def free_outside_window(self, req: Request, window: int) -> int:
+        """Release ``req``'s leading blocks that no token from ``num_computed_tokens`` on can
+        attend to with a ``window`` (its keys start at ``num_computed_tokens - window + 1``);
+        returns how many. Only for a model whose every layer slides, and only while the
+        computed tokens never go back (a preempted request is freed and recomputed whole)."""
+        rid = req.request_id
+        blocks = self._blocks.get(rid)
+        if not blocks:
+            return 0
+        released = self._num_released.get(rid, 0)
+        first_needed = min(max(0, req.num_computed_tokens - window + 1) // self.block_size, len(blocks))
+        if first_needed <= released:
+            return 0
+        self.pool.free(blocks[released:first_needed][::-1])
+        self._num_released[rid] = first_needed
+        return first_needed - released
+
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, None)
         self._block_ids.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        released = self._num_released.pop(req.request_id, 0)
         if blocks:
-            self.pool.free(blocks[::-1])
+            self.pool.free(blocks[released:][::-1])

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from engine.attention.triton_backend import prepare_interpreter
+from engine.chunk_budget import is_prefill, make_chunk_controller
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
@@ -22,6 +23,10 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft import DraftModel
+from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.stats import SpecDecodeStats
 from engine.startup import StartupTimings, sync
 from engine.structured_outputs import StructuredOutputManager, check_tools
 from engine.text_checks import check_text, check_texts
@@ -53,6 +58,7 @@ class EngineStats:
     avg_tokens_per_step: float
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class LLMEngine:
@@ -72,15 +78,30 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_path)
         startup.tokenizer = time.perf_counter() - tok_begin
         max_len = self.spec.max_position_embeddings
-        if self.spec.sliding_window:  # we attend to the full context: stay inside the window
+        if self.spec.sliding_window and self.model_impl == "transformers":
+            # The fallback attends to the full context (the native layers honour their windows).
             max_len = min(max_len, self.spec.sliding_window)
         if config.max_model_len is not None:
             if config.max_model_len > max_len:
                 window = " (its sliding window)" if max_len == self.spec.sliding_window else ""
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}{window}")
             max_len = config.max_model_len
+        draft = self._load_draft(max_len)  # before the target's KV cache is sized: it takes a share
         startup.weights += time.perf_counter() - begin  # the runner adds the weights themselves
-        self.runner = ModelRunner(config, self.spec, model_path, max_len, startup=startup, model_impl=self.model_impl)
+        self.runner = ModelRunner(
+            config,
+            self.spec,
+            model_path,
+            max_len,
+            startup=startup,
+            model_impl=self.model_impl,
+            extra_block_bytes=draft.block_bytes(config.block_size) if draft is not None else 0,
+        )
+        if draft is not None:
+            draft.allocate_kv(self.runner.num_blocks, config.block_size)
+        spec_config = config.speculative_config
+        assert not isinstance(spec_config, dict)  # EngineConfig turns a dict into SpeculativeConfig
+        self.speculator = Speculator(spec_config, draft) if spec_config is not None else None
         kv_begin = time.perf_counter()
         self.kv = KVCacheManager(
             self.runner.num_blocks,
@@ -90,6 +111,10 @@ class LLMEngine:
         )
         startup.kv_cache += time.perf_counter() - kv_begin
         self.max_model_len = max_len
+        # When every layer slides (Mistral), blocks that left the window are released as requests run.
+        self.release_window = (
+            self.spec.sliding_window if self.model_impl == "native" and self.spec.sliding_layers is None else None
+        )
         # A request never grows past what the whole cache can hold, so it always fits alone;
         # without chunked prefill it must also fit one step's budget, or (re)admitting it never
         # could happen.
@@ -102,6 +127,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            admission=config.admission_policy,
+            chunk_controller=make_chunk_controller(
+                config.target_itl_ms, config.block_size, config.max_num_batched_tokens
+            ),
         )
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -120,6 +149,21 @@ class LLMEngine:
         self._generated_tokens = 0
         sync(self.runner.device)
         startup.total = time.perf_counter() - begin
+
+    def _load_draft(self, max_len: int) -> DraftModel | None:
+        spec_config = self.config.speculative_config
+        if not isinstance(spec_config, SpeculativeConfig) or spec_config.method != "draft":
+            return None
+        device = self.config.resolve_device()
+        return DraftModel(
+            spec_config,
+            self.spec,
+            self.tokenizer,
+            attention_backend=self.config.attention_backend,
+            max_model_len=max_len,
+            dtype=self.config.resolve_dtype(self.spec.checkpoint_dtype, device),
+            device=device,
+        )
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(
@@ -279,36 +323,95 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        begin = time.perf_counter()
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if spec is not None:
+            spec.propose(sched, self.scheduler.running, lambda r: self.kv.block_ids(r.request_id))
         if not sched.requests:
             return outputs
+        chunks = self.scheduler.chunk_controller
+        # (a decode verifying k proposals computes 1 + k tokens: still a decode)
+        had_decodes = chunks is not None and not all(
+            is_prefill(req, n - sched.num_spec_tokens.get(req.request_id, 0))
+            for req, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+        )
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self._prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
+            if self.release_window is not None:
+                # Proposals under verification may be rolled back: keep what the tokens that
+                # surely stay (the computed ones less the proposals) can still attend to.
+                margin = sched.num_spec_tokens.get(req.request_id, 0)
+                self.kv.free_outside_window(req, self.release_window + margin)
         if result.output is not None:
             lp = result.output.logprobs
             for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids, strict=True)):
-                try:
-                    out = self._advance(req, token, lp[i] if lp else None, now)
-                    if out is not None:
-                        outputs.append(out)
-                except Exception as exc:  # one request's failure must not sink the batch
-                    log.exception("request %s failed", req.parent_id)
-                    req.status = RequestStatus.FINISHED_ERROR
-                    req.error = f"{type(exc).__name__}: {exc}"
-                    req.metrics.finished_time = now
-                    self._forget(req)
-                    outputs.append(self._output(req, [], ""))
+                self._advance_safely(req, [token], [lp[i]] if lp else None, now, outputs)
+        if result.verified:
+            assert spec is not None and result.verify_logits is not None
+            verdicts = spec.verify(self.runner.sampler, result.verify_logits, result.verified)
+            for req, verdict in zip(result.verified, verdicts, strict=True):
+                self._advance_safely(req, verdict.token_ids, verdict.logprobs, now, outputs)
+                if not req.finished:  # free the blocks that the rejected proposals alone held
+                    self.kv.trim(req, req.num_computed_tokens)
         self.scheduler.drop_finished_running()
+        if chunks is not None:
+            chunks.observe(time.perf_counter() - begin, had_decodes)
         self._steps += 1
         self._last_step_tokens = sched.total_tokens
         self._step_tokens_total += sched.total_tokens
         return outputs
 
-    def _advance(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
+    def _advance_safely(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[dict[int, float] | None] | None,
+        now: float,
+        outputs: list[RequestOutput],
+    ) -> None:
+        try:
+            out = self._advance(req, tokens, logprobs, now)
+            if out is not None:
+                outputs.append(out)
+        except Exception as exc:  # one request's failure must not sink the batch
+            log.exception("request %s failed", req.parent_id)
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = f"{type(exc).__name__}: {exc}"
+            req.metrics.finished_time = now
+            self._forget(req)
+            outputs.append(self._output(req, [], ""))
+
+    def _advance(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float] | None] | None, now: float
+    ) -> RequestOutput | None:
+        """Append this step's tokens (one, or several verified by speculative decoding) up to
+        the first that finishes the request; the rest are dropped."""
+        status = None
+        for i, token in enumerate(tokens):
+            status = self._append(req, token, logprobs[i] if logprobs else None, now)
+            if status is not None:
+                break
+        metrics = req.metrics
+        if status is not None:
+            req.status = status
+            metrics.finished_time = now
+            self.scheduler.record_finished(req)
+            self._forget(req)
+        elif not req.params.stream:
+            return None
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        req.num_emitted_tokens = len(req.output_token_ids)
+        return self._output(req, new_ids, self._take_text_delta(req))
+
+    def _append(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestStatus | None:
+        """Append one token; the finished state it puts the request in, if any."""
         req.append_token(token)
         self._generated_tokens += 1
         metrics = req.metrics
@@ -325,15 +428,7 @@ class LLMEngine:
         if stop_str is not None:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = stop_str
-        if status is not None:
-            req.status = status
-            metrics.finished_time = now
-            self._forget(req)
-        elif not req.params.stream:
-            return None
-        new_ids = req.output_token_ids[req.num_emitted_tokens :]
-        req.num_emitted_tokens = len(req.output_token_ids)
-        return self._output(req, new_ids, self._take_text_delta(req))
+        return status
 
     def _take_text_delta(self, req: Request) -> str:
         if req.detokenizer is not None:
@@ -374,6 +469,11 @@ class LLMEngine:
             prompt=req.prompt_text,
         )
 
+    def shutdown(self) -> None:
+        """Stop the processes this engine started (tensor-parallel ranks); it runs no step after.
+        Also done when the engine is garbage-collected or the process exits."""
+        self.runner.shutdown()
+
     # ---- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -395,4 +495,5 @@ class LLMEngine:
             avg_tokens_per_step=self._step_tokens_total / self._steps if self._steps else 0.0,
             num_prompt_tokens_computed=self._prompt_tokens_computed,
             num_generated_tokens=self._generated_tokens,
+            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
         )

@@ -3,13 +3,18 @@
 The batch is flat and unpadded: the tokens of all scheduled requests back to back, requests
 with a single query token (decodes) first, then prefill chunks. On CUDA, a batch of decodes
 only replays a captured CUDA graph instead (``engine.cuda_graphs``; off with ``enforce_eager``).
+
+Under tensor parallelism rank 0's runner starts the other ranks (``engine.distributed``),
+sends each step's flat batch to them and samples; theirs run the same forward pass
+(``run_step``). CUDA graphs are off then.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +25,18 @@ from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
 from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_block_bytes
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import parallel_state
+from engine.distributed.rank_args import RankArgs
+from engine.distributed.rank_group import RankGroup
+from engine.distributed.sharding import check_tensor_parallel, local_kv_heads
+from engine.distributed.step_inputs import StepInputs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
 from engine.startup import StartupTimings, sync
 from kernels.utils import cdiv
 
@@ -36,6 +47,10 @@ log = logging.getLogger(__name__)
 class StepResult:
     sampled: list[Request]  # requests that produced a token this step, in batch order
     output: SamplerOutput | None
+    # Speculative decoding: the requests whose proposals were computed this step, and the
+    # target's logits at each of their 1 + k positions, request after request.
+    verified: list[Request] = field(default_factory=list)
+    verify_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -48,6 +63,7 @@ class ModelRunner:
         *,
         startup: StartupTimings | None = None,
         model_impl: str = "native",
+        extra_block_bytes: int = 0,
     ) -> None:
         # Each phase's seconds are added to ``startup`` (the engine's, when it builds us).
         self.startup = startup = startup if startup is not None else StartupTimings(started_at=time.time())
@@ -57,16 +73,33 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
         self.block_size = config.block_size
+        # Bytes another cache indexed by the same block ids takes per block (a draft model's).
+        self.extra_block_bytes = extra_block_bytes
         begin = time.perf_counter()
         self.model_impl = model_impl  # native or transformers (``engine.models.transformers_fallback``)
+        # Rank 0 of a tensor-parallel engine starts the other ranks, which build runners too.
+        # The layers read this process's one parallel state: one such engine per process.
+        state = parallel_state.current()
+        if state.enabled and state.rank == 0:
+            raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first")
+        leader = config.tensor_parallel_size > 1 and not state.enabled  # (not one of the ranks it starts)
+        self.ranks = self._start_ranks(model_path, model_impl) if leader else None
+        self.tp = parallel_state.current()
+        assert self.tp.world_size == config.tensor_parallel_size
+        if self.tp.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.tp.rank)
+        if self.ranks is not None:
+            # Stop the ranks when this runner goes (or the process exits), whatever the path.
+            weakref.finalize(self, self.ranks.close)
         self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
         sync(self.device)
         startup.weights += time.perf_counter() - begin
         self.backend = create_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, config.seed)
         begin = time.perf_counter()
-        self.num_blocks = self._num_kv_blocks()
-        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
+        self.num_blocks = self._agreed_num_blocks()
+        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         sync(self.device)
@@ -89,17 +122,61 @@ class ModelRunner:
             sync(self.device)
             startup.cuda_graphs = time.perf_counter() - begin
 
+    def _agreed_num_blocks(self) -> int:
+        """The KV blocks this rank can hold; under tensor parallelism, the fewest any rank can
+        (every rank caches the same blocks, its own KV heads of them)."""
+        mine = self._num_kv_blocks()
+        try:
+            return self.tp.min_int(mine, self.device)
+        except Exception as exc:  # a rank failed to load: say which, not the collective's error
+            if self.ranks is None:
+                raise
+            raise self.ranks.error(exc) from exc
+
+    def _start_ranks(self, model_path: Path, model_impl: str) -> RankGroup:
+        size = self.config.tensor_parallel_size
+        if model_impl != "native":
+            raise ValueError("tensor parallelism needs a native model, not the transformers fallback")
+        check_tensor_parallel(self.spec, size)
+        threads = max(1, torch.get_num_threads() // size)
+        if self.device.type == "cpu":  # the ranks share the cores: more threads each only spin
+            log.info("tensor parallelism on CPU: %d torch threads per rank, this process's included", threads)
+            torch.set_num_threads(threads)
+        args = RankArgs(
+            rank=0,
+            world_size=size,
+            port=0,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            config=self.config,
+            spec=self.spec,
+            model_path=model_path,
+            max_model_len=self.max_model_len,
+            model_impl=model_impl,
+            cpu_threads=threads,
+        )
+        return RankGroup.start(args, self.device, ModelRunner)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def _num_kv_blocks(self) -> int:
         config, spec = self.config, self.spec
         if config.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.num_kv_blocks
-        per_block = kv_block_bytes(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+        per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
+        per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.
         tokens = config.max_num_batched_tokens
         activation = tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * elem * 2
-        activation += config.max_num_seqs * spec.vocab_size * 4 * 3
+        logit_rows = config.max_num_seqs
+        if config.speculative_config is not None:  # verification keeps 1 + k rows per request
+            k = SpeculativeConfig.from_value(config.speculative_config).num_speculative_tokens
+            logit_rows = min(config.max_num_batched_tokens, logit_rows * (1 + k))
+        activation += logit_rows * spec.vocab_size * 4 * 3
         limit = available_kv_bytes(config, self.device, activation)
         if config.kv_cache_memory_bytes is not None:
             budget, self.kv_budget_source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -146,6 +223,9 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
+        if self.tp.enabled:
+            log.info("CUDA graphs are off under tensor parallelism; decode runs eagerly")
+            return False
         if self.model_impl != "native":
             log.info("CUDA graphs are for native models; the transformers fallback runs eagerly")
             return False
@@ -175,24 +255,35 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        verify_rows: list[int] = []
+        verified: list[Request] = []
         end = 0
         for req, n, table in zip(reqs, counts, tables, strict=True):
             start = req.num_computed_tokens
+            spec = len(req.spec_token_ids)
             if n == 1:  # a decode: plain ints beat numpy for one token
                 input_ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(req.token_ids[start : start + n])
+                tokens = req.token_ids + req.spec_token_ids if spec else req.token_ids
+                input_ids.extend(tokens[start : start + n])
                 pos = np.arange(start, start + n, dtype=np.int64)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(start + n)
             end += n
-            if start + n == req.num_tokens:
+            if spec and start + n == req.num_tokens + spec:  # a decode with proposals to verify
+                verify_rows.extend(range(end - 1 - spec, end))
+                verified.append(req)
+            elif start + n == req.num_tokens:
                 sample_rows.append(end - 1)
                 sampled.append(req)
 
+        if self.ranks is not None:
+            wanted = sorted(verify_rows + sample_rows)  # in the batch's order, as run_step takes them
+            inputs = StepInputs(input_ids, positions, slots, seq_lens, counts, tables, num_decodes, wanted)
+            return self._execute_parallel(inputs, sampled, sample_rows, verified, verify_rows)
         max_blocks = max(len(t) for t in tables)
         graphs, bucket = self.graphs, None
         if graphs is not None and num_decodes == len(reqs):
@@ -201,12 +292,63 @@ class ModelRunner:
             hidden = graphs.run(bucket, input_ids, positions, slots, seq_lens, tables, max_blocks)
         else:
             hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, num_decodes)
+        result = StepResult([], None)
+        if verified:
+            rows = hidden[torch.tensor(verify_rows, device=self.device)]
+            result.verified, result.verify_logits = verified, self.model.compute_logits(rows)
         if not sampled:
-            return StepResult([], None)
+            return result
         # Every row is sampled (always so for decodes), or only the last of each request.
         rows = hidden if len(sample_rows) == len(input_ids) else hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(rows)
-        return StepResult(sampled, self.sampler(logits, sampled))
+        result.sampled, result.output = sampled, self.sampler(logits, sampled)
+        return result
+
+    def _execute_parallel(
+        self,
+        inputs: StepInputs,
+        sampled: list[Request],
+        sample_rows: list[int],
+        verified: list[Request],
+        verify_rows: list[int],
+    ) -> StepResult:
+        """Rank 0's step under tensor parallelism: the inputs to every rank, the forward pass
+        everywhere, the logits of the rows to sample and to verify gathered here."""
+        assert self.ranks is not None
+        try:
+            self.ranks.send_step(inputs)
+            logits = self.run_step(inputs)
+        except Exception as exc:  # a collective failed: say which rank died, if one did
+            raise self.ranks.error(exc) from exc
+        result = StepResult([], None)
+        if logits is None:
+            return result
+        index = {row: i for i, row in enumerate(inputs.sample_rows)}
+        if verified:
+            picked = torch.tensor([index[r] for r in verify_rows], device=logits.device)
+            result.verified, result.verify_logits = verified, logits[picked]
+        if sampled:
+            picked = torch.tensor([index[r] for r in sample_rows], device=logits.device)
+            result.sampled, result.output = sampled, self.sampler(logits[picked], sampled)
+        return result
+
+    def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """One step's forward pass on any rank; the sampled rows' logits (rank 0's: the whole
+        vocabulary; the other ranks': nothing useful), or None when no row is sampled."""
+        hidden = self._forward_eager(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slots,
+            inputs.seq_lens,
+            inputs.query_lens,
+            inputs.tables,
+            inputs.num_decodes,
+        )
+        if not inputs.sample_rows:
+            return None
+        rows = inputs.sample_rows
+        rows_t = hidden if len(rows) == len(inputs.input_ids) else hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(rows_t)
 
     def _forward_eager(
         self,

@@ -17,6 +17,9 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed for this request, and of those the target accepted.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

@@ -58,6 +58,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_emitted_tokens",
+        "num_lookahead_tokens",
         "num_prompt_tokens",
         "output_token_ids",
         "params",
@@ -66,6 +67,7 @@ class Request:
         "prompt_text",
         "prompt_token_ids",
         "request_id",
+        "spec_token_ids",
         "status",
         "stop_ids",
         "stop_reason",
@@ -133,6 +135,11 @@ class Request:
         # min_tokens masks, built on first use and kept for the request's life.
         self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self.suppress_ids: torch.Tensor | None = None
+        # Speculative decoding: how many proposed tokens the scheduler may add to this step's
+        # decode (set each step before scheduling), and the proposals being verified this step
+        # (never part of ``token_ids``: only verified tokens are, so only they are ever hashed).
+        self.num_lookahead_tokens = 0
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputManager
 
 
@@ -33,6 +34,16 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.process(logits, reqs)
+        tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
+        token_list = tokens.tolist()
+        logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
+        return SamplerOutput(token_list, logprobs)
+
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The logits each request samples from: ``logit_bias``, ``min_tokens``' hold on stop
+        ids, penalties and grammar masks applied (speculative decoding's verifier shares it)."""
+        params = [r.params for r in reqs]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         held = [i for i, r in enumerate(reqs) if r.params.min_tokens and r.below_min_tokens and r.stop_ids]
         if biased or held:
@@ -41,10 +52,7 @@ class Sampler:
             logits = self._apply_penalties(logits, reqs)
         if self.structured is not None and any(r.grammar is not None for r in reqs):
             logits = self.structured.apply_masks(logits, reqs)
-        tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
-        token_list = tokens.tolist()
-        logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
-        return SamplerOutput(token_list, logprobs)
+        return logits
 
     # ---------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -52,14 +60,7 @@ class Sampler:
         dev = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k_active or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probabilities(logits, params)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
@@ -171,3 +172,17 @@ def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution: temperature (1 for greedy rows), top-k, top-p, min-p."""
+    dev = logits.device
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k_active or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs

@@ -5,7 +5,9 @@ prefill), then waiting requests admitted by policy while the budget, the cap and
 blocks allow. When a running request cannot get a block, the request at the tail of the
 running list (the newest; under ``priority`` and ``edf`` the last in the policy's order) is
 preempted: its blocks are freed and it goes back to the queue (to its front under ``fcfs``,
-``prefix`` and ``srpf``), to be recomputed later.
+``prefix`` and ``srpf``), to be recomputed later. Whether a waiting request may be admitted
+beyond the free blocks is ``engine.admission``'s call; with an inter-token latency target, the
+prefill tokens of a step (never its decodes) are limited by ``engine.chunk_budget``.
 
 The policies (``EngineConfig.scheduling_policy``):
 
@@ -34,6 +36,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.admission import make_admission
+from engine.chunk_budget import PrefillChunkController, is_prefill
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -54,6 +58,9 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    # Speculative decoding: request id -> proposed tokens scheduled after its decode token
+    # (counted in its ``num_new_tokens``); requests not speculated this step are absent.
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -267,6 +274,8 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         srpf_aging_steps: int = SRPF_AGING_STEPS,
+        admission: str = "watermark",
+        chunk_controller: PrefillChunkController | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -282,6 +291,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._watermark_blocks = max(1, int(kv.num_blocks * ADMISSION_WATERMARK))
+        # Whether one more request may be admitted beyond the watermark (``engine.admission``).
+        self.admission = make_admission(admission, kv)
+        # When set, it limits the prefill tokens of each step (``engine.chunk_budget``).
+        self.chunk_controller = chunk_controller
 
     def add_request(self, req: Request) -> None:
         self.waiting.push(req)
@@ -298,10 +311,26 @@ class Scheduler:
             running.sort(key=self._running_key)  # the tail is then the first to be preempted
         self.waiting.tick()
 
+        # Prefill tokens (not decodes) may be limited further by the inter-token latency target.
+        prefill_left = budget if self.chunk_controller is None else min(budget, self.chunk_controller.budget)
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            spec = self._schedule_lookahead(req, n, budget)
+            if spec:
+                out.requests.append(req)
+                out.num_new_tokens.append(n + spec)
+                out.num_spec_tokens[req.request_id] = spec
+                budget -= n + spec
+                i += 1
+                continue
+            prefill = is_prefill(req, n)
+            if prefill:
+                n = min(n, prefill_left)
+                if n == 0:
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, n):
                 victim = running.pop()
                 self._preempt(victim)
@@ -312,13 +341,26 @@ class Scheduler:
                 out.requests.append(req)
                 out.num_new_tokens.append(n)
                 budget -= n
+                if prefill:
+                    prefill_left -= n
                 i += 1
                 continue
             break
 
         if out.num_preempted == 0:
-            self._admit(out, budget)
+            self._admit(out, min(budget, prefill_left))
         return out
+
+    def _schedule_lookahead(self, req: Request, n: int, budget: int) -> int:
+        """Speculative decoding: the proposed tokens (up to ``req.num_lookahead_tokens``) that
+        this decode also computes, with their slots allocated; 0 when none are wanted, or when
+        the budget or the free blocks are short (speculate less rather than preempt)."""
+        if not req.num_lookahead_tokens or n != 1:
+            return 0
+        spec = min(req.num_lookahead_tokens, budget - n)
+        while spec > 0 and not self.kv.allocate_slots(req, n + spec):
+            spec //= 2
+        return spec
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
@@ -328,6 +370,9 @@ class Scheduler:
             and (len(self.running) < self.max_num_seqs and budget > 0)
         ):
             self.waiting.reorder(self.kv)
+        if len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            # (a full batch, the usual state of a busy batch worker, admits nobody: no prediction)
+            self.admission.start(self.running)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             hits, num_cached = self.kv.get_computed_blocks(req)
@@ -335,9 +380,12 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
+            if not self.admission.admits(req, num_cached):
+                break
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.allocate_slots(req, n, hits, reserve_blocks=reserve):
                 break
+            self.admission.admitted(req)
             self.waiting.pop()
             req.num_computed_tokens = num_cached
             if req.status is RequestStatus.WAITING:  # first admission, not a re-admission
@@ -369,6 +417,10 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+
+    def record_finished(self, req: Request) -> None:
+        """``req`` has its last token: its output length teaches the admission policy."""
+        self.admission.finished(req)
 
     def drop_finished_running(self) -> None:
         """Free the blocks of running requests that finished in the last step."""

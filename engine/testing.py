@@ -15,7 +15,26 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+# Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
+# shorter than most test prompts, sliding and full layers alternating, a query scale and
+# (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
+GEMMA_DEFAULTS: dict[str, dict] = {
+    "gemma2": {
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 8.0,
+        "final_logit_softcapping": 12.0,
+    },
+    "gemma3": {
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        },
+    },
+}
 # The mixture-of-experts families' defaults (``build_tiny_model``'s ``moe`` overrides them):
 # few, small experts, two per token, so a test run stays fast and most experts get tokens.
 MOE_DEFAULTS: dict[str, dict] = {
@@ -126,13 +145,16 @@ def build_tiny_model(
     legacy_config: bool = False,
     init_std: float = 0.5,
     moe: dict | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (config.json, generation_config.json, safetensors,
     tokenizer) of ``family`` to ``path`` and return the path.
 
     ``legacy_config`` rewrites config.json in the transformers 4.x spelling
     (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
-    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...)."""
+    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...).
+    ``sliding_window``: Mistral's window (none by default) or Gemma's (``GEMMA_DEFAULTS``); Gemma's
+    layers alternate between sliding (even layers) and full attention."""
     import transformers
 
     if family not in FAMILIES and family not in FALLBACK_FAMILIES:
@@ -168,15 +190,22 @@ def build_tiny_model(
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
-    if head_dim is not None or family in ("qwen3", "qwen3_moe"):
+    if family in GEMMA_DEFAULTS:
+        kwargs.update(GEMMA_DEFAULTS[family])
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
+    if sliding_window is not None:
+        kwargs["sliding_window"] = sliding_window
     if partial_rotary_factor is not None:
         kwargs["partial_rotary_factor"] = partial_rotary_factor
     if family == "phi3" and rope_scaling and "original_max_position_embeddings" in rope_scaling:
@@ -205,6 +234,40 @@ def _save_random(path: Path, config, tokenizer, seed: int, init_std: float, eos:
     ).save_pretrained(str(path))
     _normalise_config(path / "config.json", legacy)
     return path
+
+
+def build_truncated_draft(target: str | Path, path: str | Path, num_layers: int, upper_scale: float = 1.0) -> Path:
+    """A draft model for speculative decoding tests and benchmarks: ``target``'s first
+    ``num_layers`` layers, embeddings, final norm and head, with its tokenizer. With
+    ``upper_scale`` < 1 the target's layers above them are first scaled down in place (their
+    output projections), so that the draft agrees with the target often but not always."""
+    from safetensors.torch import load_file, save_file
+
+    target, path = Path(target), Path(path)
+    weights = load_file(str(target / "model.safetensors"))
+    if upper_scale != 1.0:
+        for name, tensor in weights.items():
+            if _layer_of(name) >= num_layers and name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensor.mul_(upper_scale)
+        save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    path.mkdir(parents=True, exist_ok=True)
+    for file in target.iterdir():
+        if file.name != "model.safetensors":
+            (path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {name: tensor for name, tensor in weights.items() if _layer_of(name) < num_layers}
+    save_file(kept, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a weight belongs to (-1: none, e.g. the embeddings)."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
 
 
 def _set_rope(config, rope_scaling: dict) -> None:

@@ -6,6 +6,10 @@ first, sorted by context length) batched in buckets of similar length, and one
 ``scaled_dot_product_attention`` call per prefill chunk. When all decodes share a long
 cached prefix (a common system prompt), it is attended to once for all of them and merged
 with each request's own part by log-sum-exp (cascade attention).
+
+A layer with a sliding window gets its own decode plan (each request reads only the blocks its
+window reaches, masked to the window; no cascade, since the shared prefix may lie outside it); a soft cap on the
+scores (Gemma 2) replaces ``scaled_dot_product_attention`` by explicit scores for prefills.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ class TorchAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self._slots = meta.slot_mapping.long()
-        self._buckets: list[DecodeBucket] | None = None
-        self._shared: torch.Tensor | None = None
+        # Per sliding window (None: full causal): the shared prefix blocks and the buckets.
+        self._plans: dict[int | None, tuple[torch.Tensor | None, list[DecodeBucket]]] = {}
         # Per prefill chunk: (request, first query row, query tokens, context tokens).
         self._prefills: list[tuple[int, int, int, int]] = []
         start = meta.num_decodes
@@ -46,40 +50,52 @@ class TorchAttention(AttentionBackend):
             self._prefills.append((b, start, q_len, seq_len))
             start += q_len
 
-    def _decode_plan(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
-        """Built once per step: the block ids all decodes share (or None), and the buckets."""
-        if self._buckets is None:
+    def _decode_plan(
+        self, block_size: int, dtype: torch.dtype, window: int | None
+    ) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
+        """Built once per step and window: the block ids all decodes share (or None), and the buckets."""
+        if window not in self._plans:
             meta = self.meta
             nd = meta.num_decodes
             lens = meta.seq_lens_host[:nd]
             tables = meta.block_tables[:nd]
             shared_blocks = 0
-            if nd >= CASCADE_MIN_DECODES and min(lens) > CASCADE_MIN_SHARED_TOKENS:
+            if window is None and nd >= CASCADE_MIN_DECODES and min(lens) > CASCADE_MIN_SHARED_TOKENS:
                 same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
                 # Never the block holding a request's newest token: that one is its own.
                 shared_blocks = min(int(same.sum()), (min(lens) - 1) // block_size)
                 if shared_blocks * block_size < CASCADE_MIN_SHARED_TOKENS:
                     shared_blocks = 0
-            self._shared = tables[0, :shared_blocks].long() if shared_blocks else None
-            offset = shared_blocks * block_size
-            own = [n - offset for n in lens]
-            self._buckets = []
+            shared = tables[0, :shared_blocks].long() if shared_blocks else None
+            # Blocks each request skips at the front: the shared prefix (read once, above), or
+            # those wholly before its window.
+            skip = [shared_blocks] * nd if window is None else [max(0, n - window) // block_size for n in lens]
+            own = [n - k * block_size for n, k in zip(lens, skip, strict=True)]
+            skip_t = torch.tensor(skip, dtype=torch.long, device=tables.device)
+            buckets: list[DecodeBucket] = []
             first = 0
             while first < nd:
                 end = first + 1
                 while end < nd and own[end] <= own[first] * DECODE_BUCKET_GROWTH:
                     end += 1
                 num_blocks = cdiv(max(own[first:end]), block_size)
-                bucket_tables = tables[first:end, shared_blocks : shared_blocks + num_blocks].long()
+                # (past a row's own blocks: any valid entry, masked below)
+                cols = (skip_t[first:end, None] + torch.arange(num_blocks, device=tables.device)).clamp_(
+                    max=tables.shape[1] - 1
+                )
+                bucket_tables = tables[first:end].long().gather(1, cols)
                 positions = torch.arange(num_blocks * block_size, device=tables.device)
-                own_lens = meta.seq_lens[first:end].long().unsqueeze(1) - offset
+                own_lens = meta.seq_lens[first:end].long().unsqueeze(1) - skip_t[first:end, None] * block_size
                 visible = positions.unsqueeze(0) < own_lens
+                if window is not None:  # (a decode's query is its last token)
+                    visible &= positions.unsqueeze(0) >= own_lens - window
                 mask = torch.zeros(visible.shape, dtype=dtype, device=tables.device).masked_fill_(
                     ~visible, float("-inf")
                 )
-                self._buckets.append((first, end, bucket_tables, mask))
+                buckets.append((first, end, bucket_tables, mask))
                 first = end
-        return self._shared, self._buckets
+            self._plans[window] = (shared, buckets)
+        return self._plans[window]
 
     def forward(
         self,
@@ -89,6 +105,8 @@ class TorchAttention(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -98,7 +116,7 @@ class TorchAttention(AttentionBackend):
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
         if meta.num_decodes:
-            self._decode(q, k_cache, v_cache, scale, out, group)
+            self._decode(q, k_cache, v_cache, scale, out, group, sliding_window, softcap)
         for b, start, q_len, seq_len in self._prefills:
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
@@ -109,12 +127,18 @@ class TorchAttention(AttentionBackend):
                 vb = reference.gather_kv(v_cache, tables, seq_len)
             kb = kb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
             vb = vb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            if seq_len == q_len:
+            if seq_len == q_len and sliding_window is None and softcap is None:
                 ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
             else:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-                visible = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
-                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
+                k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+                visible = k_pos <= q_pos
+                if sliding_window is not None:
+                    visible &= k_pos > q_pos - sliding_window
+                if softcap is None:
+                    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
+                else:
+                    ob = _softcapped_attention(qb, kb, vb, visible, scale, softcap)
             out[start : start + q_len] = ob[0].transpose(0, 1)
         return out
 
@@ -126,12 +150,16 @@ class TorchAttention(AttentionBackend):
         scale: float,
         out: torch.Tensor,
         group: int,
+        window: int | None,
+        softcap: float | None,
     ) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype)
+        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype, window)
         nd = self.meta.num_decodes
         queries = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        prefix = _shared_prefix_partials(queries, k_cache, v_cache, shared, scale) if shared is not None else None
+        prefix = (
+            _shared_prefix_partials(queries, k_cache, v_cache, shared, scale, softcap) if shared is not None else None
+        )
         for first, end, tables, mask in buckets:
             n = end - first
             keys = k_cache[tables].flatten(1, 2)  # [n, L, Hkv, D]
@@ -140,7 +168,11 @@ class TorchAttention(AttentionBackend):
             bias = mask.unsqueeze(1).expand(n, group, mask.shape[1])
             # One KV head at a time: strided views feed bmm directly, with no transposed copies.
             for h in range(num_kv_heads):
-                scores = torch.baddbmm(bias, queries[first:end, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+                if softcap is None:
+                    scores = torch.baddbmm(bias, queries[first:end, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+                else:
+                    raw = torch.bmm(queries[first:end, h], keys[:, :, h].transpose(1, 2)) * scale
+                    scores = torch.tanh(raw / softcap) * softcap + bias
                 if prefix is None:
                     dest[:, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h])
                     continue
@@ -160,6 +192,7 @@ def _shared_prefix_partials(
     v_cache: torch.Tensor,
     shared_blocks: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised attention of every decode query over the prefix all of them share, read
     once: (output, running max, sum of exponentials), each ``[nd, Hkv, G, ...]``."""
@@ -171,9 +204,22 @@ def _shared_prefix_partials(
     sums = queries.new_empty(nd, num_kv_heads, group, 1)
     for h in range(num_kv_heads):
         scores = torch.matmul(queries[:, h].reshape(nd * group, head_dim), keys[:, h].T) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         m = scores.amax(dim=-1, keepdim=True)
         e = torch.exp(scores - m)
         out[:, h] = torch.matmul(e, values[:, h]).view(nd, group, head_dim)
         maxes[:, h] = m.view(nd, group, 1)
         sums[:, h] = e.sum(dim=-1, keepdim=True).view(nd, group, 1)
     return out, maxes, sums
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 attention computes it
+    (``[1, H, q_len, D]`` in and out; ``visible`` is ``[q_len, kv_len]``)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)

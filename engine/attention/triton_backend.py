@@ -87,6 +87,8 @@ class TritonAttention(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta, ops = self.meta, self._ops
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -103,6 +105,8 @@ class TritonAttention(AttentionBackend):
             meta.max_query_len,
             meta.max_seq_len,
             num_kv_splits=self.num_kv_splits,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
 
     def decode_kv_splits(self, num_seqs: int, num_q_heads: int, k_cache: torch.Tensor, max_seq_len: int) -> int:

@@ -3,7 +3,23 @@ weights dequantized to float32 at load with the ``gguf`` library, under transfor
 
 llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE pairs
 neighbouring elements where transformers pairs the two halves of a head); the loader undoes
-that, as transformers' own GGUF loader does. Qwen2 and Qwen3 files are written unpermuted.
+that, as transformers' own GGUF loader does. Qwen2, Qwen3, Phi-3 and the Qwen MoE files are
+written unpermuted.
+
+Tensor names are llama.cpp's (``gguf.constants.TENSOR_NAMES``). Phi-3 keeps its fused
+projections (``attn_qkv``; ``ffn_up`` holds gate and up), and LongRoPE's factors are the
+tensors ``rope_factors_long``/``rope_factors_short``. A mixture of experts stores each
+layer's experts stacked (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``), split here
+into the per-expert tensors of a transformers checkpoint; ``ffn_gate_inp`` is the router and
+Qwen2-MoE's shared expert is ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``. Mixtral
+is written as ``llama`` with ``llama.expert_count`` set.
+
+Gemma 2 and Gemma 3 (text): llama.cpp's converter stores every RMSNorm weight with Gemma's
+``1 +`` already added (``x_normed * weight`` at run time); the loader subtracts it again, as
+transformers' GGUF loader does, since our layers add it. Their four norms per layer are
+``attn_norm``, ``post_attention_norm`` (after attention), ``ffn_norm`` (before the MLP) and
+``post_ffw_norm``. What the file does not say is taken as llama.cpp assumes it
+(``_gemma_fields``).
 """
 
 from __future__ import annotations
@@ -15,10 +31,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.models.model_config import ModelSpec
+from engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
+from engine.models.registry import model_class
 
-# GGUF's ``general.architecture`` -> our model_type. Mistral checkpoints are written as llama.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF's ``general.architecture`` -> our model_type. Mistral checkpoints are written as llama,
+# and so is Mixtral (``mixtral`` when the file has experts).
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
+# Whether the router's top-k weights are renormalised, where the file does not say
+# (``expert_weights_norm``): as llama.cpp runs each architecture.
+_DEFAULT_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 
 # GGUF tensor names (after ``blk.N.``) -> transformers' names (after ``model.layers.N.``).
 _LAYER_TENSORS = {
@@ -33,7 +63,26 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Phi-3's ``ffn_up`` is its fused gate_up projection.
+_PHI3_TENSORS = {**_LAYER_TENSORS, "ffn_up": "mlp.gate_up_proj"}
+# Gemma's norms: ``ffn_norm`` is the one before the MLP, not Llama's post-attention norm.
+_GEMMA_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# Stacked experts -> the index of the expert's name in ``MoEForCausalLM.expert_names``.
+_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# LongRoPE's factors: read into the spec, not weights.
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -94,14 +143,21 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
-    if meta("expert_count"):  # llama.cpp writes Mixtral as llama, with merged expert tensors
-        raise ValueError(f"{file.name}: GGUF mixture-of-experts ({meta('expert_count')} experts) is not supported")
+    model_type = GGUF_ARCHITECTURES[arch]
+    experts = meta("expert_count")
+    if experts and arch == "llama":  # llama.cpp writes Mixtral as llama, with stacked expert tensors
+        model_type = "mixtral"
+    if experts and "blk.0.ffn_gate_exps.weight" not in names:
+        raise ValueError(
+            f"{file.name}: mixture-of-experts without stacked expert tensors (blk.N.ffn_gate_exps; an older "
+            "llama.cpp layout with one tensor per expert) is not supported"
+        )
 
     num_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     cfg: dict[str, Any] = {
-        "model_type": GGUF_ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": meta("vocab_size") or (len(tokens) if tokens is not None else None),
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -115,9 +171,19 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    head_dim = cfg["head_dim"]
+    rotary = meta("rope.dimension_count")
+    if rotary and head_dim and rotary != head_dim:
+        cfg["partial_rotary_factor"] = rotary / head_dim
     scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": meta("rope.scaling.factor")}
+    if arch == "phi3":
+        cfg.update(_phi3_fields(reader, file, meta))
+    if arch in _GEMMA_ARCHITECTURES:
+        cfg.update(_gemma_fields(arch, file, meta, cfg))
+    if experts:
+        cfg.update(_moe_fields(arch, model_type, meta, names))
     missing = sorted(k for k, v in cfg.items() if v is None)
     if missing:
         raise ValueError(f"{file.name}: GGUF metadata lacks {missing}")
@@ -125,14 +191,120 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     return ModelSpec.from_dicts(cfg, {"eos_token_id": eos} if eos is not None else {})
 
 
-def _hf_name(name: str) -> str | None:
+def _phi3_fields(reader: Any, file: Path, meta: Any) -> dict[str, Any]:
+    """Phi-3's config fields: its sliding window and, when the file has LongRoPE's factor
+    tensors, the longrope scaling they describe."""
+    cfg: dict[str, Any] = {}
+    if meta("attention.sliding_window"):
+        cfg["sliding_window"] = meta("attention.sliding_window")
+    factors = {t.name: t for t in reader.tensors if t.name in _ROPE_FACTORS}
+    if factors:
+        original = meta("rope.scaling.original_context_length")
+        if len(factors) != 2 or not original:
+            raise ValueError(
+                f"{file.name}: LongRoPE needs both rope_factors_long and rope_factors_short and "
+                "phi3.rope.scaling.original_context_length"
+            )
+        long, short = (_dequantize(factors[n], file).reshape(-1).tolist() for n in _ROPE_FACTORS)
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": long,
+            "short_factor": short,
+            "original_max_position_embeddings": original,
+        }
+    return cfg
+
+
+# llama.cpp's Gemma defaults (llama-model.cpp, ``load_hparams``) for what its converter does
+# not write: the layer count of the 27B models, whose query scale is ``hidden / heads`` (the
+# others': ``head_dim``), and every n-th layer full, the rest sliding.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_DEFAULT_WINDOW = 4096
+
+
+def _gemma_fields(arch: str, file: Path, meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's config fields, as transformers names them. llama.cpp's converter writes the
+    window, Gemma 2's soft caps and a final soft cap where Gemma 3 has one; the query scale
+    (``query_pre_attn_scalar``), which layers slide, and Gemma 3's sliding-layer RoPE base
+    (10000, no scaling) are not in the file (read here where a newer file has them:
+    ``attention.sliding_window_pattern``, ``rope.freq_base_swa``) and are llama.cpp's defaults."""
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}  # (llama.cpp's GELU: the tanh form)
+    if layers == _GEMMA_27B_LAYERS[arch] and hidden and heads:
+        out["query_pre_attn_scalar"] = hidden // heads
+    else:
+        out["query_pre_attn_scalar"] = cfg["head_dim"]
+    # llama.cpp: Gemma 2 always slides (4096 unless the file says), Gemma 3 only with a window.
+    window = meta("attention.sliding_window", _GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else None)
+    if window and layers:
+        pattern = meta("attention.sliding_window_pattern", _GEMMA_SLIDING_PATTERN[arch])
+        if isinstance(pattern, list):  # one flag per layer: sliding or not
+            if len(pattern) != layers:
+                raise ValueError(
+                    f"{file.name}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                    f"for {layers} layers"
+                )
+            sliding = [bool(p) for p in pattern]
+        else:  # every n-th layer full (0: no layer full)
+            sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+        out["sliding_window"] = window
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if arch == "gemma2":  # llama.cpp's defaults where the file has no soft caps
+        out["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
+        out["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
+    else:
+        if meta("final_logit_softcapping"):
+            out["final_logit_softcapping"] = meta("final_logit_softcapping")
+        out["rope_local_base_freq"] = meta("rope.freq_base_swa", 10_000.0)
+    return out
+
+
+def _moe_fields(arch: str, model_type: str, meta: Any, names: set[str]) -> dict[str, Any]:
+    """The mixture-of-experts config fields, as transformers names them for ``model_type``
+    (every layer sparse: llama.cpp's layout for these architectures)."""
+    cfg: dict[str, Any] = {"num_experts_per_tok": meta("expert_used_count")}
+    if model_type == "mixtral":
+        cfg["num_local_experts"] = meta("expert_count")
+        cfg["intermediate_size"] = meta("expert_feed_forward_length") or meta("feed_forward_length")
+        return cfg
+    cfg.update(
+        num_experts=meta("expert_count"),
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        norm_topk_prob=bool(meta("expert_weights_norm", _DEFAULT_NORM_TOPK[arch])),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        shared_expert_intermediate_size=meta("expert_shared_feed_forward_length", 0),
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+    # Qwen MoE files may give no dense feed-forward length (every layer is sparse).
+    cfg["intermediate_size"] = meta("feed_forward_length") or cfg["moe_intermediate_size"]
+    return cfg
+
+
+def _hf_names(name: str, spec: ModelSpec, experts: int) -> list[str] | None:
+    """The transformers names a GGUF tensor holds: one, or one per expert for a stacked
+    expert tensor (``None`` for a name we do not know)."""
     stem, _, kind = name.rpartition(".")
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        hf = _LAYER_TENSORS.get(part)
-        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
-    hf = _TOP_TENSORS.get(stem)
-    return None if hf is None else f"{hf}.{kind}"
+    if not stem.startswith("blk."):
+        hf = _TOP_TENSORS.get(stem)
+        return None if hf is None else [f"{hf}.{kind}"]
+    _, layer, part = stem.split(".", 2)
+    prefix = f"model.layers.{layer}."
+    if part in _EXPERT_TENSORS or part == "ffn_gate_inp":
+        cls = model_class(spec)
+        block = f"{prefix}{cls.mlp_prefix}"
+        if part == "ffn_gate_inp":
+            return [f"{block}gate.{kind}"]
+        expert_name = getattr(cls, "expert_names", ("",) * 3)[_EXPERT_TENSORS[part]]
+        return [f"{block}experts.{e}.{expert_name}.{kind}" for e in range(experts)]
+    table = _LAYER_TENSORS
+    if spec.model_type == "phi3":
+        table = _PHI3_TENSORS
+    elif spec.model_type in GEMMA_MODEL_TYPES:
+        table = _GEMMA_TENSORS
+    hf = table.get(part)
+    return None if hf is None else [f"{prefix}{hf}.{kind}"]
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -167,14 +339,34 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.
     """(file name, transformers name, float32 tensor) for each tensor in the file; a name we
     do not know is passed through as the GGUF name, for the loader to refuse."""
     reader = _reader(file)
+    experts = spec.moe.num_experts if spec.moe is not None else 0
+    permuted = spec.model_type in ("llama", "mixtral")
+    gemma = spec.model_type in GEMMA_MODEL_TYPES
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        if tensor.name in _ROPE_FACTORS:
+            continue  # already in the spec
+        names = _hf_names(tensor.name, spec, experts)
         weights = _dequantize(tensor, file)
-        if spec.model_type == "llama" and ".attn_q." in tensor.name:
+        if permuted and ".attn_q." in tensor.name:
             weights = _unpermute(weights, spec.num_heads)
-        elif spec.model_type == "llama" and ".attn_k." in tensor.name:
+        elif permuted and ".attn_k." in tensor.name:
             weights = _unpermute(weights, spec.num_kv_heads)
-        yield file.name, (name or tensor.name), torch.from_numpy(np.array(weights, dtype=np.float32))
+        elif ".ffn_gate_inp_shexp." in tensor.name:
+            weights = weights.reshape(1, -1)  # the shared expert's gate: one row (llama.cpp may store a vector)
+        elif gemma and tensor.name.endswith("norm.weight"):
+            weights = weights - 1.0  # stored as Gemma's ``1 + weight``
+        full = torch.from_numpy(np.array(weights, dtype=np.float32))
+        if names is None:
+            yield file.name, tensor.name, full
+        elif len(names) == 1:
+            yield file.name, names[0], full
+        else:
+            if full.shape[0] != len(names):
+                raise ValueError(
+                    f"{file.name}: {tensor.name} stacks {full.shape[0]} experts, the metadata {len(names)}"
+                )
+            for name, expert in zip(names, full, strict=True):
+                yield file.name, name, expert
 
 
 def load_tokenizer(file: Path) -> Any:

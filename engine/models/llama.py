@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed import parallel_state
+from engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
 from engine.models.model_config import ModelSpec
 from kernels import reference
 
@@ -68,9 +70,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # This layer's attention window (``ModelSpec.layer_window``) and soft cap on the scores.
+    sliding_window: int | None = None
+    softcap: float | None = None
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # Under tensor parallelism, this rank's heads only (``engine.distributed``).
+        self.tp = parallel_state.current()
+        self.heads = head_shard(spec.num_heads, spec.num_kv_heads, self.tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.heads.num_heads, self.heads.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -90,16 +99,19 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+        )
+        return self.tp.row_parallel_linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
 
 
 class FeedForward(nn.Module):
     """A layer's feed-forward block, ``[tokens, hidden] -> [tokens, hidden]``: the dense
     ``MLP`` or a mixture of experts (``engine.models.moe``)."""
 
-    def weight_slots(self, prefix: str) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Its checkpoint tensor names under ``prefix`` -> (our tensor, row offset, rows)."""
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        """Its checkpoint tensor names under ``prefix`` -> (our tensor, row offset, rows[,
+        the ``Shard`` of the checkpoint tensor this tensor-parallel rank takes])."""
         raise NotImplementedError
 
 
@@ -108,7 +120,10 @@ class MLP(FeedForward):
         self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, intermediate_size: int | None = None
     ) -> None:
         super().__init__()
-        self.intermediate_size = inter = intermediate_size or spec.intermediate_size
+        # Under tensor parallelism, this rank's slice of the intermediate dim.
+        self.tp = parallel_state.current()
+        self.inter_start, self.intermediate_size = split(intermediate_size or spec.intermediate_size, self.tp)
+        inter = self.intermediate_size
         self.hidden_size = spec.hidden_size
         self.gate_up_weight = _param(2 * inter, spec.hidden_size, dtype=dtype, device=device)
         self.gate_up_bias = _param(2 * inter, dtype=dtype, device=device) if spec.mlp_bias else None
@@ -117,20 +132,20 @@ class MLP(FeedForward):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return F.linear(reference.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        return self.tp.row_parallel_linear(reference.silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
-    def weight_slots(self, prefix: str) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         """``gate_proj``/``up_proj``/``down_proj`` under ``prefix`` -> our fused tensors."""
-        inter = self.intermediate_size
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
-        for name, weight, bias, off, rows in (
-            ("gate_proj", self.gate_up_weight, self.gate_up_bias, 0, inter),
-            ("up_proj", self.gate_up_weight, self.gate_up_bias, inter, inter),
-            ("down_proj", self.down_weight, self.down_bias, 0, self.hidden_size),
+        inter, start = self.intermediate_size, self.inter_start
+        slots: dict[str, WeightSlot] = {}
+        for name, weight, bias, off, rows, shard in (
+            ("gate_proj", self.gate_up_weight, self.gate_up_bias, 0, inter, Shard.rows(start, inter)),
+            ("up_proj", self.gate_up_weight, self.gate_up_bias, inter, inter, Shard.rows(start, inter)),
+            ("down_proj", self.down_weight, self.down_bias, 0, self.hidden_size, Shard.cols(start, inter)),
         ):
-            slots[f"{prefix}{name}.weight"] = (weight, off, rows)
-            if bias is not None:
-                slots[f"{prefix}{name}.bias"] = (bias, off, rows)
+            slots[f"{prefix}{name}.weight"] = (weight, off, rows, shard)
+            if bias is not None:  # down_proj's bias is whole on every rank, added once after the sum
+                slots[f"{prefix}{name}.bias"] = (bias, off, rows, shard) if shard.dim == 0 else (bias, off, rows)
         return slots
 
 
@@ -162,14 +177,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        # Under tensor parallelism, this rank's vocabulary rows (padded: equal on every rank).
+        self.tp = parallel_state.current()
+        self.vocab = vocab = vocab_shard(spec.vocab_size, self.tp)
+        self.embed_tokens = _param(vocab.padded, spec.hidden_size, dtype=dtype, device=device)
+        if vocab.rows < vocab.padded:
+            self.embed_tokens.data[vocab.rows :].zero_()
         self.layers = nn.ModuleList(self.make_layer(i, dtype, device) for i in range(spec.num_layers))
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)  # (for the type checker)
+            layer.self_attn.sliding_window = spec.layer_window(i)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
             if spec.tie_word_embeddings
-            else _param(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+            else _param(vocab.padded, spec.hidden_size, dtype=dtype, device=device)
         )
+        if vocab.rows < vocab.padded:
+            self.lm_head.data[vocab.rows :].zero_()
         self.rope = RotaryEmbedding(spec, max_len, dtype, device)
 
     def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
@@ -178,41 +203,67 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend: AttentionBackend, kv_caches) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rope, backend, kv_cache)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Each rank looks up the ids in its vocabulary rows (zeros for the others); the sum
+        # over the ranks is the embedding.
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < self.vocab.rows)
+        x = F.embedding(local.clamp(0, self.vocab.padded - 1), self.embed_tokens) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(x)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        """Logits over the vocabulary. Under tensor parallelism every rank must call it (the
+        ranks' vocabulary slices are gathered to rank 0); the other ranks get an empty tensor."""
+        logits = F.linear(hidden, self.lm_head)
+        if not self.tp.enabled:
+            return logits
+        full = self.tp.gather_last_dim(logits)
+        return full[..., : self.spec.vocab_size] if full is not None else logits.new_empty(0)
 
     # ---- loading from Hugging Face names ---------------------------------------------
-    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Each HF tensor name -> (our tensor, row offset, rows), for fused loading."""
-        spec = self.spec
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, spec.vocab_size),
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Each HF tensor name -> (our tensor, row offset, rows[, the ``Shard`` of it this
+        tensor-parallel rank takes]), for fused loading."""
+        spec, vocab = self.spec, self.vocab
+        slots: dict[str, WeightSlot] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, vocab.rows, Shard.rows(vocab.start, vocab.rows)),
             "model.norm.weight": (self.norm.weight, 0, spec.hidden_size),
         }
         if not spec.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
+            slots["lm_head.weight"] = (self.lm_head, 0, vocab.rows, Shard.rows(vocab.start, vocab.rows))
 
-        def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, offset: int, rows: int) -> None:
-            slots[name + ".weight"] = (weight, offset, rows)
-            if bias is not None:
-                slots[name + ".bias"] = (bias, offset, rows)
+        def linear(
+            name: str, weight: torch.Tensor, bias: torch.Tensor | None, offset: int, rows: int, shard: Shard
+        ) -> None:
+            slots[name + ".weight"] = (weight, offset, rows, shard)
+            if bias is not None:  # a row-parallel layer's bias is whole, added once after the sum
+                slots[name + ".bias"] = (bias, offset, rows, shard) if shard.dim == 0 else (bias, offset, rows)
 
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        d = spec.head_dim
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)  # a ModuleList types its items as Module
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
             slots[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, spec.hidden_size)
             slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, spec.hidden_size)
-            for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                linear(p + f"self_attn.{name}", a.qkv_weight, a.qkv_bias, off, rows)
-            linear(p + "self_attn.o_proj", a.o_weight, a.o_bias, 0, spec.hidden_size)
+            q, kv, heads = a.q_size, a.kv_size, a.heads
+            for name, off, rows, start in (
+                ("q_proj", 0, q, heads.head_start * d),
+                ("k_proj", q, kv, heads.kv_head_start * d),
+                ("v_proj", q + kv, kv, heads.kv_head_start * d),
+            ):
+                linear(p + f"self_attn.{name}", a.qkv_weight, a.qkv_bias, off, rows, Shard.rows(start, rows))
+            linear(
+                p + "self_attn.o_proj", a.o_weight, a.o_bias, 0, spec.hidden_size, Shard.cols(heads.head_start * d, q)
+            )
             if a.q_norm is not None and a.k_norm is not None:
                 slots[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, spec.head_dim)
                 slots[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, spec.head_dim)

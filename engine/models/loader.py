@@ -3,13 +3,15 @@ safetensors as they are, GGUF dequantized (``engine.models.gguf``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from engine.distributed.sharding import Shard
 from engine.models import gguf
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
@@ -112,7 +114,7 @@ def load_model(
         return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)
     if file is not None:
-        tensors = gguf.iter_tensors(file, spec)
+        tensors = _readers(gguf.iter_tensors(file, spec))
     else:
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -121,14 +123,16 @@ def load_model(
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
-    for source, name, tensor in tensors:
+    for source, name, read in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
         if name not in slots:
             raise ValueError(f"{source}: unexpected tensor {name!r} for a {spec.model_type} model")
-        target, offset, rows = slots[name]
+        target, offset, rows, *shard = slots[name]
+        # Under tensor parallelism, this rank's rows or columns of the checkpoint tensor only.
+        tensor = read(shard[0] if shard else None)
         if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
         target.data[offset : offset + rows].copy_(tensor.to(dtype))
@@ -138,8 +142,36 @@ def load_model(
     return model.eval()
 
 
-def _safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+# Reads a checkpoint tensor, or only the given ``Shard`` of it.
+Reader = Callable[[Shard | None], torch.Tensor]
+
+
+def _readers(tensors: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, str, Reader]]:
+    """Tensors already in memory (GGUF's, dequantized) as readers."""
+    for source, name, tensor in tensors:
+        yield source, name, functools.partial(_take, tensor)
+
+
+def _take(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    return tensor if shard is None else shard.take(tensor)
+
+
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, str, Reader]]:
+    """Each tensor's reader, called before the next is yielded (while its file is open): a
+    tensor-parallel rank reads only its shard from the file."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
-                yield file.name, name, f.get_tensor(name)
+                yield file.name, name, functools.partial(_read_safetensor, f, name)
+
+
+def _read_safetensor(f: Any, name: str, shard: Shard | None) -> torch.Tensor:
+    if shard is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    dim = shard.dim
+
+    def part(start: int, size: int) -> torch.Tensor:
+        return view[(slice(None),) * dim + (slice(start, start + size),)]
+
+    return shard.read(tuple(view.get_shape()), lambda: f.get_tensor(name), part)

@@ -24,9 +24,14 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# Gemma's MLP activations (``hidden_activation``) we implement.
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -51,7 +56,18 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # The attention window of sliding layers: every layer's, unless ``sliding_layers`` says
+    # which layers slide (``layer_window``).
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    # Gemma 2/3: the MLP activation, the query scale's denominator (``query_pre_attn_scalar**-0.5``
+    # replaces ``head_dim**-0.5``), soft caps on the attention scores and the final logits, and
+    # Gemma 3's RoPE base for sliding layers (its full layers use ``rope_theta``/``rope_scaling``).
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
@@ -78,12 +94,9 @@ class ModelSpec:
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        theta, scaling, partial = _rope(cfg)
-        sliding = None
-        if cfg.get("sliding_window") and (
-            model_type in ("mistral", "phi3", "mixtral") or cfg.get("use_sliding_window")
-        ):
-            sliding = int(cfg["sliding_window"])
+        gemma = _GemmaFields.from_config(cfg) if model_type in GEMMA_MODEL_TYPES else _GemmaFields()
+        theta, scaling, partial = _rope(gemma.global_rope_config if gemma.global_rope_config is not None else cfg)
+        sliding, sliding_layers = _sliding_layers(cfg, model_type, int(cfg["num_hidden_layers"]))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -108,12 +121,24 @@ class ModelSpec:
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
             o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding,
+            sliding_layers=sliding_layers,
+            hidden_act=gemma.hidden_act,
+            query_pre_attn_scalar=gemma.query_pre_attn_scalar,
+            attn_logit_softcap=gemma.attn_logit_softcap,
+            final_logit_softcap=gemma.final_logit_softcap,
+            local_rope_theta=gemma.local_rope_theta,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
         )
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer ``index`` (None: it attends to the whole context)."""
+        if self.sliding_layers is not None and not self.sliding_layers[index]:
+            return None
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -180,6 +205,96 @@ class MoESpec:
             if model_type == "qwen2_moe"
             else 0,
         )
+
+
+@dataclass(frozen=True)
+class _GemmaFields:
+    """What a Gemma 2/3 config adds to Llama's (``ModelSpec`` documents each field).
+    ``global_rope_config``: Gemma 3's full layers' RoPE as a config ``_rope`` reads."""
+
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
+    global_rope_config: dict | None = None
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> _GemmaFields:
+        model_type = cfg["model_type"]
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in GEMMA_ACTIVATIONS:
+            raise ValueError(f"hidden_activation {act!r} is not supported; supported: {GEMMA_ACTIVATIONS}")
+        local_theta, global_rope = None, None
+        if model_type == "gemma3_text":
+            local_theta, global_rope = _gemma3_rope(cfg)
+        final_cap = cfg.get("final_logit_softcapping")
+        attn_cap = cfg.get("attn_logit_softcapping")
+        return cls(
+            hidden_act=act,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            # (transformers' Gemma 3 attention never passes its attn_logit_softcapping on)
+            attn_logit_softcap=float(attn_cap) if attn_cap and model_type == "gemma2" else None,
+            final_logit_softcap=float(final_cap) if final_cap else None,
+            local_rope_theta=local_theta,
+            global_rope_config=global_rope,
+        )
+
+
+def _gemma3_rope(cfg: dict) -> tuple[float, dict]:
+    """Gemma 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
+    layers' RoPE in the spelling ``_rope`` reads. transformers 5.x writes one
+    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` and ``rope_scaling`` for
+    the full layers and ``rope_local_base_freq`` for the sliding ones."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 sliding layers' rope type {local['rope_type']!r} is not supported")
+        full = dict(params["full_attention"])
+        full.setdefault("rope_theta", 1_000_000.0)
+        return float(local.get("rope_theta", 10_000.0)), {"rope_parameters": full}
+    return float(cfg.get("rope_local_base_freq", 10_000.0)), {
+        "rope_theta": cfg.get("rope_theta", 1_000_000.0),
+        "rope_scaling": cfg.get("rope_scaling"),
+    }
+
+
+def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The sliding window and which layers use it (None: every layer), as transformers
+    applies them for each family: Mistral, Phi-3 and Mixtral slide every layer when the config
+    has a window; Qwen only with ``use_sliding_window`` (Qwen2/3 and Qwen2-MoE per
+    ``layer_types``, else their ``max_window_layers`` rules; Qwen3-MoE every layer); Gemma per
+    ``layer_types``, else the older ``sliding_window_pattern`` (every n-th layer is full)."""
+    window = cfg.get("sliding_window")
+    if not window or model_type == "llama":
+        return None, None
+    if model_type in ("mistral", "phi3", "mixtral"):
+        return int(window), None
+    types = cfg.get("layer_types")
+    if model_type in GEMMA_MODEL_TYPES:
+        pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
+        default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    elif not cfg.get("use_sliding_window"):
+        return None, None
+    elif model_type == "qwen3_moe":
+        return int(window), None
+    elif model_type == "qwen2_moe":
+        limit = int(cfg.get("max_window_layers", 28))
+        default = ["sliding_attention" if (i + 1) % 2 and i < limit else "full_attention" for i in range(num_layers)]
+    else:  # qwen2, qwen3
+        limit = int(cfg.get("max_window_layers", 28))
+        default = ["sliding_attention" if i >= limit else "full_attention" for i in range(num_layers)]
+    types = types or default
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    return (int(window), sliding) if any(sliding) else (None, None)
 
 
 def _architecture(cfg: dict) -> str:

@@ -5,9 +5,11 @@ from ``ModelSpec``); only the feed-forward block differs.
 
 Routing (``route``) follows transformers: the router's softmax in float32, the top-k experts,
 their weights renormalised to sum to one where the family does (always for Mixtral, with
-``norm_topk_prob`` for Qwen). The experts run on the token-sorted torch path
+``norm_topk_prob`` for Qwen). On CPU the experts run on the token-sorted torch path
 (``moe_sorted``): every (token, expert) assignment sorted by expert, each expert's MLP run once
-over its contiguous slice, the weighted outputs added back per token.
+over its contiguous slice, the weighted outputs added back per token. On CUDA they run on
+the fused Triton kernel (``kernels.fused_moe``: two grouped-GEMM launches over every expert,
+with no host sync, so an MoE model's decode can be captured in a CUDA graph).
 
 Expert weights are stacked: ``w13`` is ``[experts * 2 * inter, hidden]`` (each expert's gate
 rows then its up rows), ``w2`` is ``[experts * hidden, inter]``, so the loader's row slots take
@@ -17,12 +19,19 @@ the checkpoint's per-expert tensors as they are (``experts.N.w1/w3/w2`` for Mixt
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from engine.distributed import parallel_state
+from engine.distributed.sharding import Shard, WeightSlot, split
 from engine.models.llama import MLP, DecoderLayer, FeedForward, LlamaForCausalLM, _param
 from engine.models.model_config import ModelSpec, MoESpec
 from kernels import reference
+from kernels.interpreter import enable_interpreter, is_interpreting, kernels_interpreted
 
 
 def route(
@@ -80,14 +89,41 @@ def moe_naive(
     return out
 
 
+MoEExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fused_kernel(device: torch.device) -> MoEExperts:
+    """The Triton kernel; off CUDA (tests) it runs in Triton's interpreter, chosen here if
+    triton has not been imported yet."""
+    if device.type != "cuda" and "triton" not in sys.modules and not is_interpreting():
+        enable_interpreter()
+    # Imported here: it imports Triton, which is optional and must follow the interpreter choice.
+    from kernels.fused_moe import fused_moe
+
+    if device.type != "cuda" and not kernels_interpreted():
+        raise RuntimeError(
+            f"the fused MoE kernel on {device.type} needs Triton's interpreter, but triton was "
+            "imported before TRITON_INTERPRET=1 was set"
+        )
+    return fused_moe
+
+
 class SparseMoE(FeedForward):
     """One MoE block: router, ``num_experts`` SiLU-gated MLPs, and (Qwen2-MoE) a shared expert
     whose output is scaled by ``sigmoid(shared_expert_gate(x))`` and added."""
 
+    # The experts' path: None picks the fused Triton kernel on CUDA (with triton installed) and
+    # the token-sorted torch path elsewhere; True or False forces one (tests run the kernel on
+    # CPU in the interpreter).
+    use_fused_kernel: bool | None = None
+
     def __init__(self, spec: ModelSpec, moe: MoESpec, expert_names: tuple[str, str, str], dtype, device) -> None:
         super().__init__()
         self.moe, self.hidden_size, self.expert_names = moe, spec.hidden_size, expert_names
-        e, inter, hidden = moe.num_experts, moe.intermediate_size, spec.hidden_size
+        # Under tensor parallelism, this rank's slice of every expert's intermediate dim.
+        self.tp = parallel_state.current()
+        self.inter_start, self.intermediate_size = split(moe.intermediate_size, self.tp)
+        e, inter, hidden = moe.num_experts, self.intermediate_size, spec.hidden_size
         self.gate_weight = _param(e, hidden, dtype=dtype, device=device)
         self.w13 = _param(e * 2 * inter, hidden, dtype=dtype, device=device)
         self.w2 = _param(e * hidden, inter, dtype=dtype, device=device)
@@ -96,30 +132,33 @@ class SparseMoE(FeedForward):
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(spec, dtype, device, intermediate_size=moe.shared_intermediate_size)
             self.shared_gate_weight = _param(1, hidden, dtype=dtype, device=device)
+        use_fused = self.use_fused_kernel
+        if use_fused is None:
+            use_fused = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.experts: MoEExperts = _fused_kernel(torch.device(device)) if use_fused else moe_sorted
+        self.fused = use_fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         weight_dtype = torch.float32 if moe.fp32_weights else x.dtype
         weights, ids = route(F.linear(x, self.gate_weight), moe.top_k, moe.renormalize, weight_dtype)
-        w13 = self.w13.view(moe.num_experts, 2 * moe.intermediate_size, self.hidden_size)
-        w2 = self.w2.view(moe.num_experts, self.hidden_size, moe.intermediate_size)
-        out = moe_sorted(x, w13, w2, weights, ids)
+        w13 = self.w13.view(moe.num_experts, 2 * self.intermediate_size, self.hidden_size)
+        w2 = self.w2.view(moe.num_experts, self.hidden_size, self.intermediate_size)
+        out = self.tp.all_reduce(self.experts(x, w13, w2, weights, ids))  # (the shared expert reduces its own)
         if self.shared_expert is not None and self.shared_gate_weight is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * self.shared_expert(x)
         return out
 
-    def weight_slots(self, prefix: str) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         moe, hidden = self.moe, self.hidden_size
-        inter = moe.intermediate_size
+        inter, start = self.intermediate_size, self.inter_start
         gate, up, down = self.expert_names
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {
-            f"{prefix}gate.weight": (self.gate_weight, 0, moe.num_experts)
-        }
+        slots: dict[str, WeightSlot] = {f"{prefix}gate.weight": (self.gate_weight, 0, moe.num_experts)}
         for e in range(moe.num_experts):
             p = f"{prefix}experts.{e}."
-            slots[f"{p}{gate}.weight"] = (self.w13, e * 2 * inter, inter)
-            slots[f"{p}{up}.weight"] = (self.w13, e * 2 * inter + inter, inter)
-            slots[f"{p}{down}.weight"] = (self.w2, e * hidden, hidden)
+            slots[f"{p}{gate}.weight"] = (self.w13, e * 2 * inter, inter, Shard.rows(start, inter))
+            slots[f"{p}{up}.weight"] = (self.w13, e * 2 * inter + inter, inter, Shard.rows(start, inter))
+            slots[f"{p}{down}.weight"] = (self.w2, e * hidden, hidden, Shard.cols(start, inter))
         if self.shared_expert is not None and self.shared_gate_weight is not None:
             slots.update(self.shared_expert.weight_slots(f"{prefix}shared_expert."))
             slots[f"{prefix}shared_expert_gate.weight"] = (self.shared_gate_weight, 0, 1)
@@ -130,9 +169,13 @@ class MoEForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE and Qwen3-MoE: the layers ``MoESpec.sparse_layers`` names have a
     ``SparseMoE`` under ``mlp.``, the others a dense MLP."""
 
-    # The token-sorted path reads each expert's token count to the host: no CUDA graphs.
-    supports_cuda_graphs = False
     expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec, max_len, dtype, device)
+        # The token-sorted path reads each expert's token count to the host, so only a model
+        # whose every MoE block runs the fused kernel can be captured in a CUDA graph.
+        self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, SparseMoE))
 
     def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
         moe = self.spec.moe

@@ -3,6 +3,7 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 
 from __future__ import annotations
 
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
@@ -17,6 +18,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -23,6 +23,12 @@ MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "max_position_embeddings": 512}, {"max_model_len": 128}),
     # Qwen2-MoE with dense layers among the sparse ones: of four layers, decoder_sparse_step 2
     # makes 1 and 3 sparse and mlp_only_layers turns 3 dense again (layers 0, 2, 3 dense).
+    # Mistral with a window shorter than most prompts: every layer slides, and max_model_len
+    # is no longer capped at the window.
+    "mistral-window": ("mistral", {"sliding_window": 8}, {}),
+    # Gemma ties its embeddings in every real checkpoint (the tiny default is untied: tied, the
+    # scaled embedding dominates and a random model repeats its last token).
+    "gemma3-tied": ("gemma3", {"tie_word_embeddings": True}, {}),
     "qwen2_moe-dense-layers": (
         "qwen2_moe",
         {"num_layers": 4, "moe": {"decoder_sparse_step": 2, "mlp_only_layers": [3]}},

@@ -63,8 +63,45 @@ def test_torch_backend_matches_the_reference(shared_tokens):
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kc.nan_to_num(), oracle_k.nan_to_num())
-    used_cascade = backend._shared is not None
+    used_cascade = backend._plans[None][0] is not None
     assert used_cascade == (shared_tokens >= torch_backend.CASCADE_MIN_SHARED_TOKENS)
+
+
+@pytest.mark.parametrize("shared_tokens", [0, 320])
+@pytest.mark.parametrize("window,softcap", [(8, None), (None, 1.5), (13, 2.0)])
+def test_torch_backend_window_and_softcap_match_the_reference(shared_tokens, window, softcap):
+    """Decodes (with and without a long shared prefix, where a window turns the cascade
+    off), a prefill and a prefill over a cached prefix, each longer than the window."""
+    decode_lens = sorted([shared_tokens + n for n in (3, 9, 17, 40, 41, 90)])
+    q, k, v, kc, vc, meta = _batch(shared_tokens, decode_lens, prefills=[(20, 20), (7, shared_tokens + 30)])
+    oracle_k, oracle_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, oracle_k, oracle_v, meta.slot_mapping)
+    expected = reference.paged_attention(
+        q,
+        oracle_k,
+        oracle_v,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        0.25,
+        sliding_window=window,
+        softcap=softcap,
+    )
+    backend = TorchAttention()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, kc, vc, 0.25, sliding_window=window, softcap=softcap)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # A second layer of the same step without a window still gets plain causal attention.
+    plain = reference.paged_attention(
+        q, oracle_k, oracle_v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.25
+    )
+    torch.testing.assert_close(backend.forward(q, k, v, kc, vc, 0.25), plain, rtol=1e-5, atol=1e-5)
+    if window is not None:
+        shared, buckets = backend._plans[window]
+        assert shared is None, "a windowed layer must not use the cascade"
+        # Each decode reads only the blocks of 8 tokens its window reaches, however long its context.
+        assert all(tables.shape[1] <= cdiv(window, 8) + 1 for _, _, tables, _ in buckets)
 
 
 def test_cascade_decoding_keeps_outputs_exact(tiny_models, hf_reference, make_llm, monkeypatch):

@@ -62,7 +62,7 @@ def _hf_model(path: str, dtype: torch.dtype) -> Any:
     return model.to(DEVICE).eval()  # type: ignore[arg-type]  # stubs lose .to's self: wrapped by functools.wraps
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
     path = tiny_models(family)
     hf32, hf16 = _hf_model(path, torch.float32), _hf_model(path, torch.bfloat16)

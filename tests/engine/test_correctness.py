@@ -49,6 +49,10 @@ LLAMA3_ROPE = {
         "qwen2_moe",
         "qwen3_moe",
         "qwen2_moe-dense-layers",
+        "gemma2",
+        "gemma3",
+        "gemma3-tied",
+        "mistral-window",
         "gpt_neox",
         "granite",
         "cohere",
@@ -64,7 +68,9 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     assert {o.finish_reason for o in outs} <= {"length", "stop"}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gpt_neox", "granite"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_neox", "granite"]
+)
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
     hf = hf_reference(path)
@@ -83,7 +89,10 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gpt_neox", "granite"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_neox", "granite"],
+)
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
     # 10 blocks of 8 tokens: far less than the batch needs at once, more than any one request.
@@ -96,7 +105,21 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3-longrope", "mixtral", "qwen2_moe", "gpt_neox", "granite"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3",
+        "mistral",
+        "phi3-longrope",
+        "mixtral",
+        "qwen2_moe",
+        "gemma2",
+        "gemma3",
+        "mistral-window",
+        "gpt_neox",
+        "granite",
+    ],
+)
 def test_chunked_prefill_under_a_small_token_budget(family, tiny_models, hf_reference, make_llm, monkeypatch):
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8, **kwargs)
@@ -176,3 +199,57 @@ def test_chat_messages_use_the_chat_template(tiny_models, hf_reference, make_llm
     ids = hf.tokenizer.encode(text, add_special_tokens=False)
     assert out.prompt_token_ids == ids
     assert_greedy_match(out.token_ids, hf.greedy(ids, 20), "chat")
+
+
+def test_blocks_out_of_the_window_are_released(tiny_models, hf_reference, make_llm, monkeypatch):
+    """Mistral with an 8-token window over blocks of 4: a request keeps only the blocks its
+    window still reaches, so a cache that makes the full-context engine preempt serves the
+    whole batch at once, with transformers' tokens."""
+    path = tiny_models("mistral", sliding_window=8)
+    max_tokens = [m + 20 for m in MAX_TOKENS]
+    kwargs = dict(block_size=4, num_kv_blocks=56, max_num_seqs=10)
+    llm = make_llm(path, **kwargs)
+    assert llm.engine.release_window == 8
+    outs = llm.generate(PROMPTS, greedy(max_tokens))
+    assert_outputs_match(hf_reference(path), PROMPTS, max_tokens, outs)
+    assert llm.engine.stats().num_preemptions == 0
+    # The same cache without releasing: the batch no longer fits (and still matches).
+    keep_all = make_llm(path, **kwargs)
+    keep_all.engine.release_window = None
+    outs = keep_all.generate(PROMPTS, greedy(max_tokens))
+    assert_outputs_match(hf_reference(path), PROMPTS, max_tokens, outs)
+    assert keep_all.engine.stats().num_preemptions > 0
+
+
+def test_released_windows_survive_rejected_proposals(tiny_models, hf_reference, make_llm):
+    """Blocks are released while proposals are verified: a rejection rolls the request back,
+    and the blocks its window then reaches must still be its own. Every freed block's K/V is
+    overwritten with huge values (no prefix caching: nothing may read a freed block; finite, as
+    masked-out keys of the table are still multiplied by a zero weight), so reading one that
+    was released too early shows in the tokens."""
+    path = tiny_models("mistral", sliding_window=8)
+    max_tokens = [m + 20 for m in MAX_TOKENS]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = make_llm(
+        path, block_size=4, num_kv_blocks=56, max_num_seqs=10, speculative_config=spec, enable_prefix_caching=False
+    )
+    assert llm.engine.release_window == 8
+    pool, kv_cache = llm.engine.kv.pool, llm.engine.runner.kv_cache
+    free = pool.free
+
+    def free_and_poison(blocks):
+        free(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                kv_cache[:, :, block.block_id] = 1e3
+
+    pool.free = free_and_poison
+    outs = llm.generate(PROMPTS, greedy(max_tokens))
+    assert_outputs_match(hf_reference(path), PROMPTS, max_tokens, outs)
+    stats = llm.engine.stats().spec_decode
+    assert stats is not None and stats.num_accepted_tokens < stats.num_proposed_tokens  # rollbacks happened
+
+
+def test_no_blocks_are_released_when_some_layers_attend_to_everything(tiny_models, make_llm):
+    assert make_llm(tiny_models("gemma2")).engine.release_window is None
+    assert make_llm(tiny_models("mistral")).engine.release_window is None

@@ -40,6 +40,26 @@ def test_blocks_are_allocated_on_demand_and_freed():
     assert kv.num_free_blocks == 8 and kv.block_ids("r1") == []
 
 
+def test_blocks_out_of_a_window_are_released_and_the_table_keeps_its_indexing():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    r = _req("r1", list(range(14)))
+    assert kv.allocate_slots(r, 14)
+    table = kv.block_ids("r1")
+    assert len(table) == 4 and kv.num_free_blocks == 4
+    r.num_computed_tokens = 14
+    # The next query sits at 14 and sees keys 9..14 with a window of 6: blocks 0 and 1 (keys 0-7) go.
+    assert kv.free_outside_window(r, 6) == 2
+    assert kv.num_free_blocks == 6 and kv.block_ids("r1") == table
+    assert kv.free_outside_window(r, 6) == 0  # nothing more until the window moves on
+    r.append_token(99)
+    assert kv.allocate_slots(r, 1)
+    r.num_computed_tokens = 15
+    assert kv.free_outside_window(r, 6) == 0  # keys 10.. still reach block 2 (8-11)
+    assert kv.free_outside_window(r, 100) == 0
+    kv.free(r)  # the rest, each block once
+    assert kv.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
 def test_allocation_fails_cleanly_when_short():
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
     r = _req("r1", list(range(20)))

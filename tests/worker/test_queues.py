@@ -84,3 +84,14 @@ def test_engine_args_come_from_json_env_and_unknown_fields_are_named(monkeypatch
         engine_config(Settings(engine_args={"max_seqs": 8}), tiny_model)
     with pytest.raises(ConfigError, match=r"CONVEYOR_ENGINE_ARGS: .*block_size"):
         engine_config(Settings(engine_args={"block_size": 3}), tiny_model)
+
+
+def test_admission_and_the_latency_target_are_engine_args(monkeypatch, tiny_model) -> None:
+    from worker.core.settings import ConfigError
+    from worker.execution.context import engine_config
+
+    monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"admission_policy": "predicted", "target_itl_ms": 50}')
+    config = engine_config(Settings(), tiny_model)
+    assert (config.admission_policy, config.target_itl_ms) == ("predicted", 50)
+    with pytest.raises(ConfigError, match=r"CONVEYOR_ENGINE_ARGS: admission_policy must be one of"):
+        engine_config(Settings(engine_args={"admission_policy": "oracle"}), tiny_model)

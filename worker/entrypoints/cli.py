@@ -61,6 +61,30 @@ def load_settings(**overrides: Any) -> Settings:
     return read_settings(**overrides)
 
 
+# ``EngineConfig.model_impl``'s values (engine.config.MODEL_IMPLS; not imported here: it imports torch).
+MODEL_IMPLS = ("auto", "native", "transformers")
+MODEL_IMPL_HELP = (
+    "whose forward pass runs the model: native (ours), transformers (its layers with our paged attention, for "
+    "architectures we have no native code for) or auto (native when we have it; the default, or "
+    "CONVEYOR_ENGINE_ARGS' model_impl)"
+)
+
+
+# The engine options a command's flags may set (argparse dest = engine arg), laid over
+# ``CONVEYOR_ENGINE_ARGS``.
+ENGINE_FLAGS = ("model_impl", "speculative_config", "tensor_parallel_size")
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Settings overrides for the engine options given on the command line (``--model-impl``,
+    ``--speculative-config``, ``--tensor-parallel-size``): ``CONVEYOR_ENGINE_ARGS`` with them on
+    top (the flag wins); empty when none is."""
+    given = {name: value for name in ENGINE_FLAGS if (value := getattr(args, name, None)) is not None}
+    if not given:
+        return {}
+    return {"engine_args": {**read_settings().engine_args, **given}}
+
+
 def _client(settings: Settings | None = None) -> Client:
     return Client(settings or load_settings())
 
@@ -138,7 +162,7 @@ def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False
 def cmd_run(args: argparse.Namespace) -> int:
     from worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
 
-    settings = load_settings(worker_concurrency=args.concurrency)
+    settings = load_settings(worker_concurrency=args.concurrency, **_engine_overrides(args))
     bar: Any = None
     lock = threading.Lock()  # shard threads report progress concurrently
 
@@ -231,13 +255,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.broker.app import create_app
     from worker.execution.context import WorkerContext
 
-    model = args.model or load_settings().model
+    base = load_settings()
+    model = args.model or base.model
     if not model:
         raise UserError("no model to serve: pass --model or set CONVEYOR_MODEL")
     settings = load_settings(
         worker_concurrency=args.concurrency, model=canonical_model(model),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         drain_timeout_seconds=args.drain_timeout, exit_when_idle_seconds=args.exit_when_idle,
+        **_engine_overrides(args),
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -496,6 +522,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -503,6 +539,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = _positive_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {value}")
     return value
 
 
@@ -547,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--concurrency", type=_positive_int, help="shards run at once (default CONVEYOR_WORKER_CONCURRENCY)"
     )
+    run.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.set_defaults(fn=cmd_run)
 
@@ -569,7 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the public name jobs and API batches use for this model (body.model); default: --model itself "
         "(CONVEYOR_SERVED_MODEL_NAME)",
     )
+    worker.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
+    worker.add_argument(
+        "--tensor-parallel-size", type=_at_least_one, metavar="N",
+        help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
+    )  # fmt: skip
     worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
     worker.add_argument(
         "--metrics-port", type=_port, help="serve Prometheus metrics at /metrics on this port (default "
@@ -585,6 +634,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-when-idle", type=_seconds, metavar="SECONDS",
         help="drain and exit 0 once no task has come for this long (run-to-completion workers, e.g. a KEDA "
         "ScaledJob; default CONVEYOR_EXIT_WHEN_IDLE_SECONDS: never)",
+    )  # fmt: skip
+    worker.add_argument(
+        "--speculative-config", type=_json_object, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 3}\' (over CONVEYOR_ENGINE_ARGS)',
     )  # fmt: skip
     worker.set_defaults(fn=cmd_worker)
 

@@ -7,7 +7,8 @@ requests from many shard tasks join the running batch mid-flight; it sleeps on a
 variable when there is nothing to do (no busy spin). A request the engine rejects (bad
 input, prompt too long) resolves to a rejected ``Completion``; an exception inside a step
 fails every in-flight future with ``EngineFailure`` (none is left hanging) and the loop
-goes on with new requests.
+goes on with new requests, unless the engine can run no further step (``EngineDeadError``,
+a tensor-parallel rank died): then the process exits, as after a crash.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineConfig, EngineDeadError, LLMEngine, RequestOutput, SamplingParams
 from worker.core.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ _TEST_HANG_ON = os.environ.get("CONVEYOR_TEST_HANG_ON") or None
 
 # The exit status of a worker whose engine hung (a crash of the test hook exits 70).
 HUNG_EXIT_CODE = 71
+# ... and of one whose engine can run no further step (``EngineDeadError``: a tensor-parallel
+# rank died): exiting hands its shards back through their leases, to be retried.
+ENGINE_DEAD_EXIT_CODE = 72
 
 
 def _crash_if_poison(prompt: Any) -> None:
@@ -289,6 +293,10 @@ class EngineHost:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except EngineDeadError as exc:
+            log.critical("the engine cannot run again (%s) with %d requests in flight: exiting", exc, len(self._live))
+            logging.shutdown()
+            os._exit(ENGINE_DEAD_EXIT_CODE)
         except Exception as exc:
             log.exception("engine step failed; failing %d in-flight requests", len(self._live))
             failure = EngineFailure(f"the engine failed during a step: {type(exc).__name__}: {exc}")

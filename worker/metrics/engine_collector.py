@@ -1,5 +1,6 @@
 """The engine's state at scrape time: requests running and waiting, KV-cache usage, the prefix
-cache, preemptions, steps and tokens computed.
+cache, preemptions, steps and tokens computed, and speculative decoding's proposals and
+acceptances (only with it on).
 
 Read from the engine host's latest stats (``WorkerContext.host_stats``: the loop thread
 refreshes them every half second while busy), so a scrape never touches the engine. Before
@@ -9,6 +10,7 @@ the model is loaded the families are present with no samples.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -72,3 +74,31 @@ class EngineCollector(Collector):
             "Tokens the engine generated, those of aborted requests included.",
             "num_generated_tokens",
         )
+        yield from self._spec_decode_families(getattr(engine, "spec_decode", None) if engine is not None else None)
+
+    def _spec_decode_families(self, spec: Any | None) -> Iterator[Metric]:
+        """Speculative decoding (``engine.SpecDecodeStats``): no samples when it is off. The
+        acceptance rate over a window is rate(accepted) / rate(proposed), per position too."""
+        model = self._model
+        totals = (
+            ("conveyor_spec_decode_proposed_tokens", "Tokens proposed by speculative decoding.", "num_proposed_tokens"),
+            ("conveyor_spec_decode_accepted_tokens", "Proposed tokens the model accepted.", "num_accepted_tokens"),
+            ("conveyor_spec_decode_verifications", "Request-steps that verified proposals.", "num_verifications"),
+        )
+        for name, doc, field in totals:
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            if spec is not None:
+                family.add_metric([model], float(getattr(spec, field)))
+            yield family
+        per_position = (
+            ("conveyor_spec_decode_proposed_tokens_by_position", "Tokens proposed at each proposal position "
+             "(0: the first after the last accepted token).", "proposed_per_position"),
+            ("conveyor_spec_decode_accepted_tokens_by_position", "Proposed tokens accepted, by proposal position.",
+             "accepted_per_position"),
+        )  # fmt: skip
+        for name, doc, field in per_position:
+            family = CounterMetricFamily(name, doc, labels=["model", "position"])
+            if spec is not None:
+                for position, count in enumerate(getattr(spec, field)):
+                    family.add_metric([model, str(position)], float(count))
+            yield family

@@ -1,0 +1,58 @@
+"""MoE models on the fused Triton kernel (forced on CPU, in Triton's interpreter): greedy
+tokens identical to transformers, CUDA graphs allowed only when every block uses it, and
+its decode graphs free of host syncs."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.models.moe import SparseMoE
+from tests.engine.reference import assert_outputs_match, greedy
+from tests.engine.test_cuda_graphs import CallingGraph, _HostSyncs
+from tests.engine.test_triton_backend import needs_triton
+
+pytest.importorskip("triton")
+
+PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours", "A"]
+MAX_TOKENS = [9, 5, 12]
+
+
+def test_kernel_path_matches_transformers(tiny_models, hf_reference, make_llm, monkeypatch):
+    """Mixtral, eager (Qwen2-MoE with its shared expert runs on the kernel in the graph test below)."""
+    monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
+    path = tiny_models("mixtral")
+    llm = make_llm(path)
+    model = llm.engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.fused for b in blocks)
+    assert model.supports_cuda_graphs
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
+
+
+def test_torch_path_on_cpu_is_not_captured(tiny_models, make_llm):
+    model = make_llm(tiny_models("qwen3_moe")).engine.runner.model
+    assert not any(m.fused for m in model.modules() if isinstance(m, SparseMoE))
+    assert not model.supports_cuda_graphs
+
+
+@needs_triton
+def test_decode_graphs_on_the_kernel_path_match_transformers_and_never_sync(
+    tiny_models, hf_reference, make_llm, monkeypatch
+):
+    """The decode graphs of an MoE model on the kernel (``CallingGraph`` standing in for the
+    CUDA graph, as in test_cuda_graphs): transformers' tokens, and the captured forward reads
+    nothing back to the host."""
+    monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
+    path = tiny_models("qwen2_moe")
+    llm = make_llm(path, attention_backend="triton", max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.capture_decode_graphs(graph_factory=CallingGraph)
+    graphs = runner.graphs
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
+    assert sum(graphs.replays.values()) > 0
+    mode = _HostSyncs()
+    with mode:
+        graphs.graphs[4].fn()
+    assert mode.seen == []

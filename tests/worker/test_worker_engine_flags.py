@@ -1,0 +1,41 @@
+"""``conveyor worker``'s engine flags reach the engine's config, over CONVEYOR_ENGINE_ARGS."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.entrypoints import cli
+from worker.execution import context
+
+
+@pytest.fixture
+def engine_config_seen(monkeypatch):
+    """The EngineConfig the worker would build; the worker stops right after."""
+    seen = {}
+
+    def create(cls, settings, model):
+        seen["config"] = context.engine_config(settings, model)
+        raise cli.UserError("stopped by the test")
+
+    monkeypatch.setattr(context.WorkerContext, "create", classmethod(create))
+    return seen
+
+
+def test_tensor_parallel_size_flag_joins_the_engine_args(engine_config_seen, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"max_num_seqs": 8, "tensor_parallel_size": 4}')
+    assert cli.main(["worker", "--model", "org/model", "--tensor-parallel-size", "2"]) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    config = engine_config_seen["config"]
+    assert (config.tensor_parallel_size, config.max_num_seqs) == (2, 8)
+
+
+def test_without_the_flag_the_engine_args_decide(engine_config_seen, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"tensor_parallel_size": 3}')
+    assert cli.main(["worker", "--model", "org/model"]) == 1
+    assert engine_config_seen["config"].tensor_parallel_size == 3
+
+
+def test_a_bad_size_is_refused_by_the_parser(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["worker", "--model", "org/model", "--tensor-parallel-size", "0"])
+    assert "--tensor-parallel-size: expected an integer of at least 1, got 0" in capsys.readouterr().err
