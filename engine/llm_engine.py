@@ -111,10 +111,13 @@ class LLMEngine:
         )
         startup.kv_cache += time.perf_counter() - kv_begin
         self.max_model_len = max_len
-        # When every layer slides (Mistral), blocks that left the window are released as requests run.
+        # When every layer slides (Mistral), blocks that left the window are released as requests
+        # run; with a draft model only if the draft's every layer slides too, no further back.
         self.release_window = (
             self.spec.sliding_window if self.model_impl == "native" and self.spec.sliding_layers is None else None
         )
+        if draft is not None and not draft.reaches_no_further_than(self.release_window):
+            self.release_window = None
         # A request never grows past what the whole cache can hold, so it always fits alone;
         # without chunked prefill it must also fit one step's budget, or (re)admitting it never
         # could happen.
@@ -339,6 +342,7 @@ class LLMEngine:
             for req, n in zip(sched.requests, sched.num_new_tokens, strict=True)
         )
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
+        draft_on = spec is not None and spec.draft is not None
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -346,8 +350,9 @@ class LLMEngine:
             req.num_computed_tokens += n
             if self.release_window is not None:
                 # Proposals under verification may be rolled back: keep what the tokens that
-                # surely stay (the computed ones less the proposals) can still attend to.
-                margin = sched.num_spec_tokens.get(req.request_id, 0)
+                # surely stay (the computed ones less the proposals) can still attend to, and a
+                # draft model, which may be a token behind the target, too.
+                margin = sched.num_spec_tokens.get(req.request_id, 0) + (1 if draft_on else 0)
                 self.kv.free_outside_window(req, self.release_window + margin)
         if result.output is not None:
             lp = result.output.logprobs

@@ -2,15 +2,19 @@
 
 It has its own paged KV tensors with as many blocks as the target's, of the same size, and
 reads and writes them through the target's block tables: a slot holds the target's K/V of a
-token in the target's tensors and the draft's K/V of the same token in the draft's. Each
-request's draft KV is its own computation from position 0 (a request that starts to
-speculate, or comes back after preemption, has its draft catch up over its whole sequence),
-so a block shared through the prefix cache is at most rewritten with the same values.
+token in the target's tensors and the draft's K/V of the same token in the draft's.
 
-A proposal of ``k`` tokens: one pass over the tokens the draft has not seen yet (the catch-up,
-ending with the request's last token) gives ``d_1``; ``k - 1`` decode passes give the rest,
-batched over the requests. Accepted proposals keep the draft K/V they were fed with, so the
-next catch-up starts after them.
+The draft runs in step with the target: every step, it computes the tokens the target
+computes for each scheduled request (prompt chunks as the target chunks them, plain decodes),
+so it never has a whole prompt to catch up on at once, its work follows the step's token
+budget, and the draft K/V of a block the prefix cache shares is there already (a request
+admitted with cached tokens starts after them, as the target does). A proposal of ``k``
+tokens: one pass over the tokens the draft has not seen yet (the last sampled token, and the
+last accepted proposal) gives ``d_1``; ``k - 1`` decode passes give the rest, batched over
+the requests. Accepted proposals keep the draft K/V they were fed with.
+
+The draft K/V is only ever a proposal's input: where it is stale (a block cached by a request
+that ended before its last token was fed to the draft), proposals are worse, never outputs.
 """
 
 from __future__ import annotations
@@ -50,14 +54,23 @@ class DraftModel:
                 f"speculative_config.model {config.model!r} takes at most {limit} positions, fewer than the "
                 f"target's max_model_len {max_model_len}; set max_model_len to at most {limit}"
             )
+        self.impl = impl
         self.model = load_model(path, self.spec, max_model_len, dtype, device, impl)
         self.backend = create_backend(attention_backend, device)
         self.dtype, self.device = dtype, device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         # request id -> tokens whose draft K/V is in the cache (requests no longer running are
-        # dropped each step by ``keep_only``: a preempted request starts again from 0).
+        # dropped each step by ``keep_only``: a preempted one starts again where the target does).
         self._computed: dict[str, int] = {}
+
+    def reaches_no_further_than(self, window: int | None) -> bool:
+        """Whether the draft's attention looks back at most ``window`` tokens on every layer
+        (None: the target attends to everything, so nothing is ever out of reach)."""
+        if window is None:
+            return True
+        w = self.spec.sliding_window
+        return self.impl == "native" and self.spec.sliding_layers is None and w is not None and w <= window
 
     def block_bytes(self, block_size: int) -> int:
         s = self.spec
@@ -81,27 +94,45 @@ class DraftModel:
         if req.request_id in self._computed:
             self._computed[req.request_id] += min(num_accepted, num_proposed - 1)
 
-    def propose(self, reqs: list[Request], counts: list[int], block_ids_of: Callable[[Request], list[int]]) -> None:
-        """Set ``spec_token_ids`` of each request to ``counts[i]`` greedy draft tokens. Their
-        slots (up to ``num_tokens + counts[i] - 1``) are allocated already."""
-        tables = [block_ids_of(r) for r in reqs]
+    def propose(
+        self,
+        scheduled: list[Request],
+        num_new_tokens: list[int],
+        counts: dict[str, int],
+        block_ids_of: Callable[[Request], list[int]],
+    ) -> None:
+        """Feed the draft this step's tokens of every ``scheduled`` request (``num_new_tokens``
+        each, the target's, without proposals) and set ``spec_token_ids`` of each request in
+        ``counts`` to that many greedy draft tokens. Their slots (up to ``num_tokens +
+        counts[id] - 1``) are allocated already."""
+        tables = [block_ids_of(r) for r in scheduled]
         chunks = []
-        for req in reqs:
-            start = self._computed.get(req.request_id, 0)
-            chunks.append((start, req.token_ids[start:]))
-            self._computed[req.request_id] = req.num_tokens
-        first = self._forward([(s, toks) for s, toks in chunks], tables)
-        proposals = [[t] for t in first]
-        for step in range(1, max(counts)):
-            active = [i for i, c in enumerate(counts) if c > step]
-            batch = [(reqs[i].num_tokens + step - 1, [proposals[i][-1]]) for i in active]
-            for i, t in zip(active, self._forward(batch, [tables[i] for i in active]), strict=True):
-                proposals[i].append(t)
-        for req, proposal, count in zip(reqs, proposals, counts, strict=True):
-            req.spec_token_ids = proposal[:count]
+        proposing: list[int] = []
+        for i, (req, n) in enumerate(zip(scheduled, num_new_tokens, strict=True)):
+            rid, computed = req.request_id, req.num_computed_tokens
+            start = min(self._computed.get(rid, computed), computed)
+            end = req.num_tokens if rid in counts else computed + n
+            chunks.append((start, req.token_ids[start:end]))
+            self._computed[rid] = end
+            if rid in counts:
+                proposing.append(i)
+        if not chunks:
+            return
+        first = self._forward(chunks, tables, want=proposing)
+        proposals = {i: [first[i]] for i in proposing}
+        for step in range(1, max((counts[scheduled[i].request_id] for i in proposing), default=0)):
+            active = [i for i in proposing if counts[scheduled[i].request_id] > step]
+            batch = [(scheduled[i].num_tokens + step - 1, [proposals[i][-1]]) for i in active]
+            nexts = self._forward(batch, [tables[i] for i in active], want=list(range(len(active))))
+            for j, i in enumerate(active):
+                proposals[i].append(nexts[j])
+        for i in proposing:
+            req = scheduled[i]
+            req.spec_token_ids = proposals[i][: counts[req.request_id]]
 
-    def _forward(self, chunks: list[tuple[int, list[int]]], tables: list[list[int]]) -> list[int]:
-        """The greedy next token after each chunk (``(first position, tokens)``), K/V written."""
+    def _forward(self, chunks: list[tuple[int, list[int]]], tables: list[list[int]], want: list[int]) -> list[int]:
+        """K/V written for each chunk (``(first position, tokens)``); the greedy next token
+        after each chunk listed in ``want`` (-1 for the others)."""
         # Decodes (one token) first, by context length, as the attention backends expect.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i][1]) != 1, chunks[i][0]))
         bs = self.block_size
@@ -132,11 +163,14 @@ class DraftModel:
             self.backend,
             self.kv_caches,
         )
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
-        tokens = logits.argmax(dim=-1).tolist()
-        out = [0] * len(chunks)
-        for j, i in enumerate(order):
-            out[i] = tokens[j]
+        out = [-1] * len(chunks)
+        if not want:
+            return out
+        row_of = {i: last_rows[j] for j, i in enumerate(order)}
+        rows = torch.tensor([row_of[i] for i in want], device=dev)
+        tokens = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        for i, token in zip(want, tokens, strict=True):
+            out[i] = token
         return out
 
 

@@ -66,9 +66,12 @@ class Speculator:
         granted = [r for r in sched.requests if sched.num_spec_tokens.get(r.request_id)]
         if self.draft is not None:
             self.draft.keep_only(running)
-            if granted:
-                counts = [sched.num_spec_tokens[r.request_id] for r in granted]
-                self.draft.propose(granted, counts, block_ids_of)
+            counts = {r.request_id: sched.num_spec_tokens[r.request_id] for r in granted}
+            own = [
+                n - sched.num_spec_tokens.get(r.request_id, 0)
+                for r, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+            ]
+            self.draft.propose(sched.requests, own, counts, block_ids_of)
         else:
             for req in granted:
                 req.spec_token_ids = self._ngram[req.request_id][: sched.num_spec_tokens[req.request_id]]

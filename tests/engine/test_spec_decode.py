@@ -182,6 +182,95 @@ def test_a_smaller_draft_keeps_greedy_exact_under_preemption_and_chunking(
     _assert_speculated(llm, outs)
 
 
+def _record_draft_chunks(monkeypatch, llm: LLM) -> list[list[int]]:
+    """The lengths of the chunks the draft model computes, one list per draft forward pass."""
+    speculator = llm.engine.speculator
+    assert speculator is not None and speculator.draft is not None
+    draft = speculator.draft
+    forward = draft._forward
+    seen: list[list[int]] = []
+
+    def recording(chunks, tables, want):
+        seen.append([len(tokens) for _, tokens in chunks])
+        return forward(chunks, tables, want)
+
+    monkeypatch.setattr(draft, "_forward", recording)
+    return seen
+
+
+def test_the_draft_computes_prompts_in_the_targets_chunks_and_reuses_cached_prefixes(
+    tiny_models, hf_reference, make_llm, monkeypatch
+):
+    """The draft keeps step with the target: a long prompt reaches it chunk by chunk within
+    the step's token budget (never as one catch-up over the whole prompt when the request
+    starts to speculate), and a prompt whose prefix is cached starts after the cached tokens,
+    reading the draft K/V that the first request left in the shared blocks. With the target
+    as its own draft, every proposal is accepted only if that K/V is right."""
+    path = tiny_models("llama")
+    spec = {"method": "draft", "model": path, "num_speculative_tokens": 3}
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=16, speculative_config=spec)
+    chunks = _record_draft_chunks(monkeypatch, llm)
+    hf = hf_reference(path)
+    long_prompt = " ".join(PROMPTS)
+    n_prompt = len(hf.encode(long_prompt))
+    assert n_prompt > 40
+    first = llm.generate([long_prompt], greedy([12], ignore_eos=True))[0]
+    assert_greedy_match(first.token_ids, hf.greedy(hf.encode(long_prompt), 12), "first")
+    assert max(max(c) for c in chunks) <= 16, f"the draft caught up over more than a step's budget: {chunks}"
+    assert sum(sum(c) for c in chunks) <= n_prompt + 12 + 3 * 12, "the draft computed tokens more than once"
+    chunks.clear()
+    follow = first.prompt_token_ids + first.token_ids[:8]
+    second = llm.generate([follow], greedy([12], ignore_eos=True))[0]
+    assert_greedy_match(second.token_ids, hf.greedy(follow, 12), "follow-up")
+    assert second.num_cached_tokens >= len(follow) - 8
+    fed = sum(sum(c) for c in chunks)
+    assert fed <= len(follow) - second.num_cached_tokens + 12 * 4, (fed, second.num_cached_tokens)
+    stats = _spec(llm.engine.stats())
+    assert stats.num_accepted_tokens == stats.num_proposed_tokens > 0
+
+
+def test_a_sliding_window_draft_lets_blocks_be_released_and_never_reads_them(
+    tiny_models, hf_reference, make_llm, tmp_path
+):
+    """Mistral (every layer slides, window 8) with its own first layer as the draft: blocks
+    out of the window are released while both models run, and every freed block's K/V, the
+    target's and the draft's, is overwritten with huge values. The tokens stay transformers';
+    the draft, which never reads a released block, keeps proposing what the target accepts
+    (the target as its own draft: all of it). A draft that sees further than the target (no
+    window) keeps every block."""
+    path = tiny_models("mistral", sliding_window=8)
+    max_tokens = [m + 20 for m in MAX_TOKENS]
+    kwargs = dict(block_size=4, num_kv_blocks=80, max_num_seqs=10, enable_prefix_caching=False)
+    spec = {"method": "draft", "model": path, "num_speculative_tokens": 3}
+    llm = make_llm(path, speculative_config=spec, **kwargs)
+    assert llm.engine.release_window == 8
+    pool, caches = llm.engine.kv.pool, [llm.engine.runner.kv_cache, *llm.engine.speculator.draft.kv_caches]
+    free = pool.free
+    released: list[int] = []
+
+    def free_and_poison(blocks):
+        free(blocks)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                released.append(block.block_id)
+                caches[0][:, :, block.block_id] = 1e3
+                for k, v in caches[1:]:
+                    k[block.block_id] = 1e3
+                    v[block.block_id] = 1e3
+
+    pool.free = free_and_poison
+    outs = llm.generate(PROMPTS, greedy(max_tokens, ignore_eos=True))
+    assert_outputs_match(hf_reference(path), PROMPTS, max_tokens, outs)
+    stats = _spec(llm.engine.stats())
+    assert len(released) > len(PROMPTS), "no block was released while the requests ran"
+    assert stats.num_accepted_tokens == stats.num_proposed_tokens > 0
+    full_attention_draft = tiny_models("llama")  # same tiny vocabulary, attends to everything
+    assert (
+        make_llm(path, speculative_config={**spec, "model": full_attention_draft}, **kwargs).engine.release_window
+        is None
+    )
+
+
 def test_stops_penalties_and_logprobs_match_plain_decoding(tiny_models, make_llm):
     path = tiny_models("llama", **LOOPING)
     plain_llm = make_llm(path, block_size=4)
