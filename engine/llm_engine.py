@@ -337,9 +337,13 @@ class LLMEngine:
             return outputs
         chunks = self.scheduler.chunk_controller
         # (a decode verifying k proposals computes 1 + k tokens: still a decode)
-        had_decodes = chunks is not None and not all(
-            is_prefill(req, n - sched.num_spec_tokens.get(req.request_id, 0))
-            for req, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+        prefills = (
+            [
+                is_prefill(req, n - sched.num_spec_tokens.get(req.request_id, 0))
+                for req, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+            ]
+            if chunks is not None
+            else []
         )
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
         draft_on = spec is not None and spec.draft is not None
@@ -367,7 +371,7 @@ class LLMEngine:
                     self.kv.trim(req, req.num_computed_tokens)
         self.scheduler.drop_finished_running()
         if chunks is not None:
-            chunks.observe(time.perf_counter() - begin, had_decodes)
+            chunks.observe(time.perf_counter() - begin, had_decodes=not all(prefills), had_prefill=any(prefills))
         self._steps += 1
         self._last_step_tokens = sched.total_tokens
         self._step_tokens_total += sched.total_tokens

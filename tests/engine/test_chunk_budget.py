@@ -26,10 +26,12 @@ def _controller(**kw) -> PrefillChunkController:
     return PrefillChunkController(TARGET, **kw)
 
 
-def _feed(ctl: PrefillChunkController, duration: float, steps: int, had_decodes: bool = True) -> list[int]:
+def _feed(
+    ctl: PrefillChunkController, duration: float, steps: int, had_decodes: bool = True, had_prefill: bool = True
+) -> list[int]:
     budgets = []
     for _ in range(steps):
-        ctl.observe(duration, had_decodes)
+        ctl.observe(duration, had_decodes, had_prefill)
         budgets.append(ctl.budget)
     return budgets
 
@@ -40,20 +42,43 @@ def test_slow_steps_shrink_the_budget_to_the_floor_and_fast_ones_grow_it_back_to
     down = _feed(ctl, 2 * TARGET, 400)
     assert down == sorted(down, reverse=True), "shrinking only"
     assert down[-1] == 32 and min(down) == 32
-    assert down.index(32) < 200  # converged, not crawled: 0.7 per decision of 8 steps
-    up = _feed(ctl, 0.5 * TARGET, 400)
+    # Twice too slow halves it each time a window's p90 is decided (the 3rd slowest of 20:
+    # after 3 slow steps): 4096 / 2**7 = 32.
+    assert down.index(32) == 3 * 7 - 1
+    up = _feed(ctl, 0.5 * TARGET, 600)
     assert up == sorted(up), "growing only"
     assert up[-1] == 4096 and max(up) == 4096
 
 
-def test_it_decides_once_per_window_of_steps_and_forgets_the_window():
+def test_the_shrink_follows_how_far_over_the_target_the_p90_is():
+    def after_one_window(duration: float) -> int:
+        ctl = _controller(min_samples=8)  # the p90 of 8 is the slowest: one slow step decides
+        return _feed(ctl, duration, 1)[0]
+
+    assert after_one_window(1.1 * TARGET) == int(4096 * 0.7)  # a little over: at least SHRINK
+    assert after_one_window(2.5 * TARGET) == int(4096 * 0.4)  # 2.5 times over: the budget / 2.5
+    assert after_one_window(100 * TARGET) == 4096 // 4  # far over: at most MAX_SHRINK
+
+
+def test_the_shrink_leaves_the_decodes_time_out_of_the_ratio():
+    """Decode-only steps of half the target: of a mixed step 1.5 times the target, the
+    prefill part is 1.0 and half of it fits, so the budget halves (not / 1.5)."""
     ctl = _controller(min_samples=8)
-    assert _feed(ctl, 2 * TARGET, 7) == [4096] * 7
-    assert _feed(ctl, 2 * TARGET, 1) == [int(4096 * 0.7)]
-    # The next decision sees only steps after the change: seven fast ones and a slow one
-    # make a p90 that is the slow one (the 8th of 8), so it shrinks again.
-    _feed(ctl, 0.1 * TARGET, 7)
-    assert _feed(ctl, 2 * TARGET, 1) == [int(int(4096 * 0.7) * 0.7)]
+    _feed(ctl, 0.5 * TARGET, 10, had_prefill=False)
+    assert _feed(ctl, 1.5 * TARGET, 1) == [4096 // 2]
+    ctl = _controller(min_samples=8)  # decodes alone over the target: as far down as allowed
+    _feed(ctl, 2 * TARGET, 10, had_prefill=False)
+    assert _feed(ctl, 3 * TARGET, 1) == [4096 // 4]
+
+
+def test_a_window_shrinks_as_soon_as_its_p90_is_over_and_grows_only_when_whole():
+    ctl = _controller(min_samples=10)  # the p90 of 10 is the 2nd slowest
+    _feed(ctl, 0.5 * TARGET, 5)
+    assert _feed(ctl, 2 * TARGET, 1) == [4096]  # one slow step: the p90 is not decided yet
+    assert _feed(ctl, 2 * TARGET, 1) == [2048]  # a second: it is, without the other three
+    # The window was forgotten: the next decision waits for ten new steps to grow.
+    assert _feed(ctl, 0.5 * TARGET, 9) == [2048] * 9
+    assert _feed(ctl, 0.5 * TARGET, 1) == [int(2048 * 1.25)]
 
 
 def test_the_p90_ignores_one_slow_step_in_ten_but_not_two():
@@ -61,12 +86,20 @@ def test_the_p90_ignores_one_slow_step_in_ten_but_not_two():
     _feed(ctl, 0.9 * TARGET, 9)  # within the band: no change either way
     assert _feed(ctl, 5 * TARGET, 1) == [4096]
     _feed(ctl, 0.9 * TARGET, 8)
-    assert _feed(ctl, 5 * TARGET, 2)[-1] == int(4096 * 0.7)
+    assert _feed(ctl, 5 * TARGET, 2)[-1] == 4096 // 4
 
 
-def test_steps_without_decodes_are_not_inter_token_intervals():
+def test_only_steps_that_mix_decodes_and_prefill_count():
+    """A step without decodes is no inter-token interval; a step without prefill tokens does
+    not depend on the budget. Neither moves it: a budget that had to shrink for a burst of
+    prompts stays small through the decode-only stretch that follows."""
     ctl = _controller()
     assert _feed(ctl, 100 * TARGET, 100, had_decodes=False) == [4096] * 100
+    assert _feed(ctl, 100 * TARGET, 100, had_prefill=False) == [4096] * 100
+    _feed(ctl, 3 * TARGET, 3)
+    shrunk = ctl.budget
+    assert shrunk < 4096
+    assert _feed(ctl, 0.1 * TARGET, 500, had_prefill=False) == [shrunk] * 500
 
 
 def test_bad_controller_settings_raise():
@@ -74,6 +107,8 @@ def test_bad_controller_settings_raise():
         PrefillChunkController(TARGET, floor=64, ceiling=32)
     with pytest.raises(ValueError, match="positive number of seconds"):
         PrefillChunkController(0.0, floor=1, ceiling=2)
+    with pytest.raises(ValueError, match="min_samples"):
+        PrefillChunkController(TARGET, floor=1, ceiling=2, min_samples=0)
     bad_targets: list[Any] = [0, -5.0, float("nan"), "10", True]
     for bad in bad_targets:
         with pytest.raises(ValueError, match="target_itl_ms"):
@@ -129,9 +164,10 @@ def test_the_scheduler_limits_prefill_tokens_but_never_decodes():
 
 
 # Long prompts (token ids), two running at a time: the later ones are prefilled in chunks
-# while the earlier ones decode, by which time the budget has shrunk.
-PROMPT_LENGTHS = [90, 70, 90, 80]
-MAX_TOKENS = [30, 30, 10, 10]
+# while the earlier ones decode (steps that mix the two: what the budget is measured on), by
+# which time the budget has shrunk.
+PROMPT_LENGTHS = [90, 70, 90, 80, 90, 70]
+MAX_TOKENS = [30, 30, 10, 10, 10, 10]
 
 
 def test_the_engine_shrinks_the_prefill_budget_under_an_unmeetable_target(
