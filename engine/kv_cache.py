@@ -210,8 +210,9 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``req``'s tokens: its blocks and token count.
 
-        The last token is always left to compute: its logits are needed to sample."""
-        if not self.enable_caching:
+        The last token is always left to compute: its logits are needed to sample. A request
+        still owed prompt logprobs computes its whole prompt: cached tokens have no logits."""
+        if not self.enable_caching or req.num_prompt_logprobs_missing:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)

@@ -346,6 +346,9 @@ class LLMEngine:
             else []
         )
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
+        for req, entries in result.prompt_logprobs:
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs.extend(entries)
         draft_on = spec is not None and spec.draft is not None
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
@@ -474,6 +477,7 @@ class LLMEngine:
             index=req.index,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             error=req.error,
             prompt=req.prompt_text,
         )

@@ -33,6 +33,9 @@ from engine.distributed.step_inputs import StepInputs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
+from engine.prompt_logprobs import PromptEntries, PromptLogprobRows
+from engine.prompt_logprobs import compute as compute_prompt_logprobs
+from engine.prompt_logprobs import rows_for as prompt_logprob_rows
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
@@ -51,6 +54,8 @@ class StepResult:
     # target's logits at each of their 1 + k positions, request after request.
     verified: list[Request] = field(default_factory=list)
     verify_logits: torch.Tensor | None = None
+    # The prompt logprobs this step computed, per request that asked for them.
+    prompt_logprobs: list[tuple[Request, PromptEntries]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -257,9 +262,12 @@ class ModelRunner:
         sampled: list[Request] = []
         verify_rows: list[int] = []
         verified: list[Request] = []
+        prompt_plans: list[PromptLogprobRows] = []
         end = 0
         for req, n, table in zip(reqs, counts, tables, strict=True):
             start = req.num_computed_tokens
+            if req.prompt_logprobs is not None and (plan := prompt_logprob_rows(req, start, n, end)) is not None:
+                prompt_plans.append(plan)
             spec = len(req.spec_token_ids)
             if n == 1:  # a decode: plain ints beat numpy for one token
                 input_ids.append(req.token_ids[start])
@@ -281,9 +289,10 @@ class ModelRunner:
                 sampled.append(req)
 
         if self.ranks is not None:
-            wanted = sorted(verify_rows + sample_rows)  # in the batch's order, as run_step takes them
+            prompt_rows = [r for plan in prompt_plans for r in plan.rows]
+            wanted = sorted(verify_rows + sample_rows + prompt_rows)  # in the batch's order, as run_step takes them
             inputs = StepInputs(input_ids, positions, slots, seq_lens, counts, tables, num_decodes, wanted)
-            return self._execute_parallel(inputs, sampled, sample_rows, verified, verify_rows)
+            return self._execute_parallel(inputs, sampled, sample_rows, verified, verify_rows, prompt_plans)
         max_blocks = max(len(t) for t in tables)
         graphs, bucket = self.graphs, None
         if graphs is not None and num_decodes == len(reqs):
@@ -293,6 +302,11 @@ class ModelRunner:
         else:
             hidden = self._forward_eager(input_ids, positions, slots, seq_lens, counts, tables, num_decodes)
         result = StepResult([], None)
+        if prompt_plans:
+            dev = self.device
+            result.prompt_logprobs = compute_prompt_logprobs(
+                prompt_plans, lambda rows: self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+            )
         if verified:
             rows = hidden[torch.tensor(verify_rows, device=self.device)]
             result.verified, result.verify_logits = verified, self.model.compute_logits(rows)
@@ -311,6 +325,7 @@ class ModelRunner:
         sample_rows: list[int],
         verified: list[Request],
         verify_rows: list[int],
+        prompt_plans: list[PromptLogprobRows],
     ) -> StepResult:
         """Rank 0's step under tensor parallelism: the inputs to every rank, the forward pass
         everywhere, the logits of the rows to sample and to verify gathered here."""
@@ -324,6 +339,10 @@ class ModelRunner:
         if logits is None:
             return result
         index = {row: i for i, row in enumerate(inputs.sample_rows)}
+        if prompt_plans:
+            result.prompt_logprobs = compute_prompt_logprobs(
+                prompt_plans, lambda rows: logits[torch.tensor([index[r] for r in rows], device=logits.device)]
+            )
         if verified:
             picked = torch.tensor([index[r] for r in verify_rows], device=logits.device)
             result.verified, result.verify_logits = verified, logits[picked]

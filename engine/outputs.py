@@ -46,7 +46,9 @@ class RequestOutput:
 
     ``token_ids``/``text`` hold everything generated so far; ``new_token_ids``/``new_text``
     the delta of this step. ``logprobs`` has one ``{token_id: logprob}`` dict per generated
-    token (the chosen token plus the top alternatives) when the request asked for them.
+    token (the chosen token plus the top alternatives) when the request asked for them;
+    ``prompt_logprobs`` one per prompt token (None for the first, which nothing predicts) with
+    ``SamplingParams.prompt_logprobs``, complete once the prompt is computed.
     ``finish_reason`` is ``stop``, ``length``, ``abort`` or ``error`` once ``finished``.
     """
 
@@ -63,5 +65,6 @@ class RequestOutput:
     index: int = 0
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     prompt: str | None = field(default=None, repr=False)

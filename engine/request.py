@@ -64,6 +64,7 @@ class Request:
         "params",
         "parent_id",
         "priority",
+        "prompt_logprobs",
         "prompt_text",
         "prompt_token_ids",
         "request_id",
@@ -129,6 +130,10 @@ class Request:
         self.final_text: str | None = None
         self.grammar = grammar  # the structured-output matcher, fed every kept token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # One entry per prompt token as they are computed (the first token has none: None).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         # Chained hashes of this request's full KV blocks, filled lazily by the KV cache.
         self.block_hashes: list[bytes] = []
         # The sampler's device tensors for logit_bias (ids, values) and for the ids that
@@ -148,6 +153,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status in _FINISHED
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprobs were asked for and are not computed yet."""
+        if self.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - len(self.prompt_logprobs)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

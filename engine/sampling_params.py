@@ -25,7 +25,10 @@ class SamplingParams:
 
     ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means "until the model's
     context is full". ``logprobs=k`` returns the chosen token's logprob plus the ``k`` most
-    likely alternatives at each step (``0``: the chosen token only). A sample ``i`` of a
+    likely alternatives at each step (``0``: the chosen token only); ``prompt_logprobs=k`` the
+    same for each prompt token after the first, from the model's distribution at the position
+    before it (what scoring a text needs: ``RequestOutput.prompt_logprobs``; such a request
+    computes its whole prompt, never reading it from the prefix cache). A sample ``i`` of a
     seeded request with ``n > 1`` uses seed ``seed + i``. ``stream=False`` asks only for the
     final output (``LLMEngine.step`` then reports the request once, when it finishes), which
     spares the per-step bookkeeping: ``LLM.generate`` uses it.
@@ -52,6 +55,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
@@ -75,6 +79,8 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

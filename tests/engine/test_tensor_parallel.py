@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, EngineDeadError
+from engine import LLM, EngineConfig, EngineDeadError, SamplingParams
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.rank_group import RankGroup
 from engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
@@ -92,6 +92,23 @@ def test_two_ranks_verify_ngram_proposals_as_one_process_does(tiny_models, make_
         llm.shutdown()
     assert [o.token_ids for o in outs] == [o.token_ids for o in single]
     assert stats is not None and stats.num_proposed_tokens > 0
+
+
+def test_two_ranks_give_the_prompt_logprobs_one_process_does(tiny_models, make_llm):
+    path = tiny_models("llama", num_kv_heads=1)
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    single = make_llm(path, **ENGINE_KWARGS).generate(PROMPTS, params)
+    llm = make_llm(path, tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        outs = llm.generate(PROMPTS, params)
+    finally:
+        llm.shutdown()
+    for ours, one in zip(outs, single, strict=True):
+        assert ours.prompt_logprobs is not None and one.prompt_logprobs is not None
+        assert len(ours.prompt_logprobs) == len(one.prompt_logprobs) == len(one.prompt_token_ids)
+        for a, b in zip(ours.prompt_logprobs[1:], one.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 def test_a_draft_model_is_refused_with_tensor_parallelism(tiny_models):

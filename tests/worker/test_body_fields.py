@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import SamplingParams
 from tests.worker.helpers import as_line_error, as_request, jsonl
@@ -57,6 +58,13 @@ def test_echo_is_a_completions_flag_kept_out_of_sampling() -> None:
     assert not as_request(one(chat_line(echo=False))).echo
 
 
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts_logprobs_too() -> None:
+    req = as_request(one(completions_line(echo=True, logprobs=2)))
+    assert req.echo and req.sampling["logprobs"] == req.sampling["prompt_logprobs"] == 2
+    assert "prompt_logprobs" not in as_request(one(completions_line(logprobs=2))).sampling
+    assert SamplingParams(**req.sampling).prompt_logprobs == 2
+
+
 def test_user_metadata_and_other_harmless_fields_are_accepted_and_ignored() -> None:
     for line in (
         chat_line(user="u-1", metadata={"k": "v"}, safety_identifier="h", prompt_cache_key="p", store=False),
@@ -90,7 +98,6 @@ def test_user_metadata_and_other_harmless_fields_are_accepted_and_ignored() -> N
         (chat_line(min_tokens=300), "invalid_value", "min_tokens", "must not exceed max_tokens (256)"),
         (chat_line(echo=True), "unsupported", "echo", "echo is a completions parameter"),
         (completions_line(echo="yes"), "invalid_value", "echo", "true or false"),
-        (completions_line(echo=True, logprobs=2), "unsupported", "echo", "prompt tokens' logprobs"),
         (completions_line(suffix="!"), "unsupported", "suffix", "fill-in-the-middle"),
         (chat_line(logprobs=True, top_logprobs=2, user=5), "unsupported", "user", "user"),
         (chat_line(reasoning_effort="low"), "unknown_parameter", "reasoning_effort", "unknown parameter"),
@@ -161,8 +168,12 @@ def test_completions_fields_through_conveyor_run(embedded_stack, env, tmp_path, 
         completions_line("suffix", prompt=prompt, suffix=" the end", **greedy),
     ]
     results, errors = _run(stack, tmp_path, rows, capsys)
-    assert set(results) == {"echo", "plain", "echo-ids", "forced", "early", "min", "lp"}
-    text = {cid: Completion.model_validate(_body(line), strict=True).choices[0].text for cid, line in results.items()}
+    assert set(results) == {"echo", "plain", "echo-ids", "forced", "early", "min", "lp", "echo-lp"}
+    text = {
+        cid: Completion.model_validate(_body(line), strict=True).choices[0].text
+        for cid, line in results.items()
+        if cid != "echo-lp"  # its first token's logprob is null: read below as JSON
+    }
     assert text["echo"] == prompt + text["plain"]
     assert text["echo-ids"].startswith("<s>Warm bread")  # the ids as sent, BOS included
     assert text["forced"] == tok.decode([forced] * 6)
@@ -177,6 +188,29 @@ def test_completions_fields_through_conveyor_run(embedded_stack, env, tmp_path, 
     assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(logprobs.text_offset) == n
     assert all(len(top) in (2, 3) for top in logprobs.top_logprobs)  # the 2 best, and the chosen one
     assert "".join(logprobs.tokens) == text["lp"]
+    # echo with logprobs: the prompt's tokens first, each with transformers' logprob of it
+    # (the first with none, as OpenAI gives it), then the generated ones. Read as JSON: the
+    # SDK's type has no room for the first token's null.
+    echo_lp = _body(results["echo-lp"])
+    choice = echo_lp["choices"][0]
+    assert choice["text"] == prompt + text["plain"]
+    ids = tok(prompt).input_ids
+    n_prompt = len(ids)
+    lp = choice["logprobs"]
+    assert echo_lp["usage"]["prompt_tokens"] == n_prompt
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 6
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["tokens"][n_prompt:] == logprobs.tokens and lp["token_logprobs"][n_prompt:] == pytest.approx(
+        logprobs.token_logprobs, abs=1e-5
+    )
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    want = [float(ref[i, ids[i + 1]]) for i in range(n_prompt - 1)]
+    assert lp["token_logprobs"][1:n_prompt] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][n_prompt] == len(prompt), "the generated text starts after the echoed prompt"
+    assert lp["text_offset"][:n_prompt] == sorted(lp["text_offset"][:n_prompt])
     # The bad ones: each on its own line, named; the rest of the job ran.
     oov = errors["oov"].response
     assert oov is not None and oov.status_code == 400
@@ -186,7 +220,6 @@ def test_completions_fields_through_conveyor_run(embedded_stack, env, tmp_path, 
         "value": ("invalid_value", "logit_bias[5]"),
         "many": ("invalid_value", "logit_bias"),
         "minmax": ("invalid_value", "min_tokens"),
-        "echo-lp": ("unsupported", "echo"),
         "suffix": ("unsupported", "suffix"),
     }
     assert set(errors) == {"oov", *expected}

@@ -226,12 +226,9 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
             "min_tokens",
         )
     if echo_from_body(body, endpoint) and "logprobs" in sampling:
-        raise InvalidRequest(
-            "unsupported",
-            "echo with logprobs is not supported: the engine does not compute the prompt tokens' logprobs "
-            "(send echo or logprobs, not both)",
-            "echo",
-        )
+        # The echoed prompt's tokens come with their logprobs too, as OpenAI's completions give
+        # them (scoring a text: the model's logprob of each of its tokens).
+        sampling["prompt_logprobs"] = sampling["logprobs"]
     return sampling
 
 

@@ -90,7 +90,9 @@ def completion_record(
         Choice(
             clean_text(echoed + o.text),
             o.finish_reason,
-            _logprobs(req.endpoint, o, top, pieces) if top is not None else None,
+            _logprobs(req.endpoint, o, top, pieces, echoed=len(echoed) if req.echo else None)
+            if top is not None
+            else None,
         )
         for o in outputs
     ]
@@ -159,22 +161,43 @@ def tool_choices(job_id: str, custom_id: str, tools: ToolRequest, choices: list[
     return out
 
 
-def _logprobs(endpoint: str, out: RequestOutput, top: int, pieces: TokenPieces) -> dict[str, Any] | None:
+def _logprobs(
+    endpoint: str, out: RequestOutput, top: int, pieces: TokenPieces, *, echoed: int | None = None
+) -> dict[str, Any] | None:
     """The engine's per-token ``{token_id: logprob}`` in the endpoint's OpenAI shape (chat's
-    ``bytes`` are each token's own bytes, also where its text alone is part of a character)."""
+    ``bytes`` are each token's own bytes, also where its text alone is part of a character).
+    ``echoed``: the length of the echoed prompt in front of a completion's text, whose tokens
+    come first (the first with no logprob, as OpenAI gives it)."""
     if out.logprobs is None:
         return None
 
     def text(token_id: int) -> str:
         return clean_text(pieces.text_of(token_id))
 
-    chosen: list[tuple[int, float | None]] = []
-    alternatives: list[list[tuple[int, float]]] = []
-    for token_id, entry in zip(out.token_ids, out.logprobs, strict=False):
+    def rank(token_id: int, entry: dict[int, float]) -> tuple[tuple[int, float | None], list[tuple[int, float]]]:
         ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
         lp = entry.get(token_id)
-        chosen.append((token_id, None if lp is None else _finite(lp)))
-        alternatives.append([(t, _finite(p)) for t, p in ranked])
+        return (token_id, None if lp is None else _finite(lp)), [(t, _finite(p)) for t, p in ranked]
+
+    chosen: list[tuple[int, float | None]] = []
+    alternatives: list[list[tuple[int, float]] | None] = []
+    offsets: list[int] = []
+    if echoed is not None and endpoint != CHAT and out.prompt_logprobs is not None:
+        pos = 0
+        for token_id, prompt_entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            offsets.append(pos)
+            pos += len(text(token_id))
+            if prompt_entry is None:
+                chosen.append((token_id, None))
+                alternatives.append(None)
+            else:
+                c, alts = rank(token_id, prompt_entry)
+                chosen.append(c)
+                alternatives.append(alts)
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=False):
+        c, alts = rank(token_id, entry)
+        chosen.append(c)
+        alternatives.append(alts)
     if endpoint == CHAT:
         return {
             "content": [
@@ -187,17 +210,18 @@ def _logprobs(endpoint: str, out: RequestOutput, top: int, pieces: TokenPieces) 
                     ],
                 }
                 for (token_id, lp), alts in zip(chosen, alternatives, strict=True)
+                if alts is not None
             ],
             "refusal": None,
         }
-    offsets, pos = [], 0
-    for token_id, _ in chosen:
+    pos = echoed or 0  # the generated tokens' offsets count from the end of the echoed prompt
+    for token_id, _ in chosen[len(offsets) :]:
         offsets.append(pos)
         pos += len(text(token_id))
     return {
         "tokens": [text(token_id) for token_id, _ in chosen],
         "token_logprobs": [lp for _, lp in chosen],
-        "top_logprobs": [{text(t): p for t, p in alts} for alts in alternatives],
+        "top_logprobs": [None if alts is None else {text(t): p for t, p in alts} for alts in alternatives],
         "text_offset": offsets,
     }
 
