@@ -91,7 +91,9 @@ def test_on_done_callback_gets_each_handle(host) -> None:
     seen: list[RequestHandle] = []
     hs = [host.submit(f"bread {i}", GREEDY, on_done=seen.append) for i in range(5)]
     wait([h.future for h in hs], timeout=30)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10  # callbacks run just after their futures complete
+    while len(seen) < len(hs) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sorted(h.request_id for h in seen) == sorted(h.request_id for h in hs)
 
 
