@@ -122,12 +122,6 @@ class EngineConfig:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-            if self.speculative_config.method == "draft" and self.tensor_parallel_size > 1:
-                # The draft would be built inside rank 0's tensor-parallel state, split with no peers.
-                raise ValueError(
-                    "speculative_config method 'draft' is not supported with tensor_parallel_size > 1; "
-                    "use method 'ngram', or one process"
-                )
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "

@@ -8,6 +8,8 @@ before building the model and clear it at shutdown.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +80,15 @@ def set_state(state: ParallelState) -> None:
 
 def reset() -> None:
     set_state(SINGLE)
+
+
+@contextmanager
+def single_process() -> Iterator[None]:
+    """Layers built inside run alone in this process, whatever its tensor-parallel state (a
+    draft model on rank 0 beside a split target: its forward passes involve no other rank)."""
+    global _state
+    saved, _state = _state, SINGLE
+    try:
+        yield
+    finally:
+        _state = saved

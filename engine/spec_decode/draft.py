@@ -26,6 +26,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.selector import create_backend
 from engine.config import kv_block_bytes
+from engine.distributed import parallel_state
 from engine.models.loader import load_model, load_spec, load_tokenizer, resolve_model_path
 from engine.models.model_config import ModelSpec
 from engine.request import Request
@@ -55,7 +56,9 @@ class DraftModel:
                 f"target's max_model_len {max_model_len}; set max_model_len to at most {limit}"
             )
         self.impl = impl
-        self.model = load_model(path, self.spec, max_model_len, dtype, device, impl)
+        # Under tensor parallelism the draft runs whole on rank 0, next to the target's shard.
+        with parallel_state.single_process():
+            self.model = load_model(path, self.spec, max_model_len, dtype, device, impl)
         self.backend = create_backend(attention_backend, device)
         self.dtype, self.device = dtype, device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

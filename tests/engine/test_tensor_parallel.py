@@ -21,6 +21,7 @@ from engine.distributed.parallel_state import ParallelState
 from engine.distributed.rank_group import RankGroup
 from engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
 from engine.models.model_config import ModelSpec
+from engine.testing import build_truncated_draft
 from tests.engine.reference import assert_outputs_match, greedy
 
 PROMPTS = [
@@ -111,9 +112,25 @@ def test_two_ranks_give_the_prompt_logprobs_one_process_does(tiny_models, make_l
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-def test_a_draft_model_is_refused_with_tensor_parallelism(tiny_models):
-    with pytest.raises(ValueError, match="'draft' is not supported with tensor_parallel_size > 1"):
-        EngineConfig(tiny_models("llama"), tensor_parallel_size=2, speculative_config={"method": "draft", "model": "x"})
+def test_a_draft_model_runs_whole_on_rank_0_beside_a_split_target(tiny_models, make_llm, tmp_path):
+    """The draft is not split: it runs on rank 0 alone (its layers make no collective call),
+    proposing for the target the ranks verify together; the tokens are one process's."""
+    path = tiny_models("llama", num_kv_heads=1)
+    draft = build_truncated_draft(path, tmp_path / "draft", num_layers=1)
+    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 3}
+    single = make_llm(path, **ENGINE_KWARGS).generate(PROMPTS, greedy(MAX_TOKENS))
+    llm = make_llm(path, tensor_parallel_size=2, speculative_config=spec, **ENGINE_KWARGS)
+    try:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+        stats = llm.engine.stats().spec_decode
+        speculator = llm.engine.speculator
+        assert speculator is not None and speculator.draft is not None
+        draft_layers = [m for m in speculator.draft.model.modules() if hasattr(m, "tp")]
+        assert draft_layers and all(m.tp.world_size == 1 for m in draft_layers)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in single]
+    assert stats is not None and stats.num_accepted_tokens > 0
 
 
 def test_a_dead_rank_ends_generate_with_an_error(tiny_models, monkeypatch):
