@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -146,6 +147,9 @@ def build_tiny_model(
     init_std: float = 0.5,
     moe: dict | None = None,
     sliding_window: int | None = None,
+    vocab_size: int | None = None,
+    rope_theta: float | None = None,
+    save_dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a random-weight checkpoint (config.json, generation_config.json, safetensors,
     tokenizer) of ``family`` to ``path`` and return the path.
@@ -154,7 +158,9 @@ def build_tiny_model(
     (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
     fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...).
     ``sliding_window``: Mistral's window (none by default) or Gemma's (``GEMMA_DEFAULTS``); Gemma's
-    layers alternate between sliding (even layers) and full attention."""
+    layers alternate between sliding (even layers) and full attention. ``vocab_size``: the
+    model's vocabulary when larger than the tokenizer's (a real model's embedding shape; the
+    extra ids are reachable as token-id prompts). ``save_dtype``: the checkpoint's dtype."""
     import transformers
 
     if family not in FAMILIES and family not in FALLBACK_FAMILIES:
@@ -162,7 +168,7 @@ def build_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path, family)
-    vocab = len(tokenizer)
+    vocab = max(len(tokenizer), vocab_size or 0)
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden_size,
@@ -180,7 +186,8 @@ def build_tiny_model(
         if family == "gpt_neox":  # no GQA: it would keep the number as a stray attribute
             del fallback_kwargs["num_key_value_heads"]
         fallback_config = transformers.AutoConfig.for_model(family, **fallback_kwargs)
-        return _save_random(path, fallback_config, tokenizer, seed, init_std, [tokenizer.eos_token_id], legacy_config)
+        eos = [tokenizer.eos_token_id]
+        return _save_random(path, fallback_config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
     config_cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -212,6 +219,8 @@ def build_tiny_model(
         # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
         kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
     config = config_cls(**kwargs)
+    if rope_theta is not None:
+        _set_rope_theta(config, rope_theta)
     if rope_scaling:
         if partial_rotary_factor is not None:
             rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
@@ -219,20 +228,147 @@ def build_tiny_model(
     eos = [tokenizer.eos_token_id]
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config)
+    return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
 
 
-def _save_random(path: Path, config, tokenizer, seed: int, init_std: float, eos: list[int], legacy: bool) -> Path:
+def _save_random(
+    path: Path,
+    config,
+    tokenizer,
+    seed: int,
+    init_std: float,
+    eos: list[int],
+    legacy: bool,
+    save_dtype: torch.dtype = torch.float32,
+) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()  # (the dtype kwarg is spelt differently in 4.x)
     _randomize(model, init_std)
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.to(save_dtype).save_pretrained(str(path), safe_serialization=True)
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(str(path))
     _normalise_config(path / "config.json", legacy)
+    return path
+
+
+@dataclass(frozen=True)
+class RealShape:
+    """A released model's shape, for random-weight stand-ins at full width (GPU checks and
+    benchmarks): same layers, heads, vocabulary and RoPE as the checkpoint, random weights."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+
+
+REAL_SHAPES: dict[str, RealShape] = {
+    "qwen3-0.6b": RealShape(
+        family="qwen3",
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+    ),
+    "llama-3.1-8b": RealShape(
+        family="llama",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+    ),
+}
+# The same families and head ratios at a size the CPU runs in seconds (the GPU check's dry run).
+DRY_RUN_SHAPE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=1024)
+
+
+def shaped_model_dir(root: str | Path, name: str, num_layers: int | None = None, *, dry_run: bool = False) -> Path:
+    """Where ``build_shaped_model`` keeps ``name`` with ``num_layers`` under ``root``: one name
+    per variant, so the GPU check's steps share each checkpoint."""
+    layers = f"-{num_layers}layers" if num_layers else ""
+    return Path(root) / f"{name}{layers}{'-dry' if dry_run else ''}"
+
+
+def build_shaped_model(
+    path: str | Path,
+    name: str,
+    *,
+    num_layers: int | None = None,
+    dry_run: bool = False,
+    init_std: float = 0.02,
+    save_dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """A random-weight checkpoint with ``REAL_SHAPES[name]``'s shape (``num_layers``: fewer
+    layers than the real model, every width kept), built once: an existing one is reused.
+    ``init_std`` 0.02 is transformers' own init, so activations have a real model's scale.
+    ``dry_run``: the family at ``DRY_RUN_SHAPE`` and 2 layers, the init scaled up with the
+    narrower width so that activations keep the real shape's scale."""
+    if name not in REAL_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(REAL_SHAPES)}")
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    shape = REAL_SHAPES[name]
+    sizes = {
+        "hidden_size": shape.hidden_size,
+        "num_heads": shape.num_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "vocab_size": shape.vocab_size,
+    }
+    if dry_run:
+        init_std *= (shape.hidden_size / DRY_RUN_SHAPE["hidden_size"]) ** 0.5
+        sizes, num_layers = dict(DRY_RUN_SHAPE), 2
+    partial = path.with_name(path.name + ".partial")
+    build_tiny_model(
+        partial,
+        shape.family,
+        hidden_size=sizes["hidden_size"],
+        num_layers=num_layers or shape.num_layers,
+        num_heads=sizes["num_heads"],
+        num_kv_heads=sizes["num_kv_heads"],
+        head_dim=sizes["head_dim"],
+        intermediate_size=sizes["intermediate_size"],
+        vocab_size=sizes["vocab_size"],
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_theta=shape.rope_theta,
+        rope_scaling=shape.rope_scaling,
+        max_position_embeddings=shape.max_position_embeddings,
+        init_std=init_std,
+        save_dtype=save_dtype,
+    )
+    partial.rename(path)  # whole or absent: a build killed half-way is not taken for a model
     return path
 
 
@@ -268,6 +404,13 @@ def _layer_of(name: str) -> int:
     """The decoder layer a weight belongs to (-1: none, e.g. the embeddings)."""
     parts = name.split(".")
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+
+
+def _set_rope_theta(config, theta: float) -> None:
+    if isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": theta}
+    else:  # transformers 4.x
+        config.rope_theta = theta
 
 
 def _set_rope(config, rope_scaling: dict) -> None:

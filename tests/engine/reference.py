@@ -9,6 +9,7 @@ two continuations are different texts and are not compared further.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,10 +29,18 @@ class Greedy:
     logits: list[torch.Tensor]
 
 
+def oracle_model(path: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
+    """Transformers' model of ``path`` as the oracle: with its eager attention, the one every
+    release computes in full. Its SDPA path drops Gemma 2's attention soft cap in some releases
+    (5.17 runs it; 5.24 refuses SDPA for Gemma 2), which made a correct engine look wrong on the
+    lent GPU. (Its type, the one with ``generate``, is private.)"""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kwargs).eval()
+
+
 class HFReference:
     def __init__(self, path: str) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = oracle_model(path)
         self._cache: dict[tuple, Greedy] = {}
 
     def encode(self, prompt: str) -> list[int]:

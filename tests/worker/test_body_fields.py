@@ -13,9 +13,10 @@ import pytest
 import torch
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from engine import SamplingParams
+from tests.engine.reference import oracle_model
 from tests.worker.helpers import as_line_error, as_request, jsonl
 from tests.worker.test_formats import LIMITS as FORMAT_LIMITS
 from tests.worker.test_formats import batch_line, chat_line, one
@@ -204,7 +205,7 @@ def test_completions_fields_through_conveyor_run(embedded_stack, env, tmp_path, 
         logprobs.token_logprobs, abs=1e-5
     )
     with torch.no_grad():
-        hf = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
+        hf = oracle_model(stack.model)
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     want = [float(ref[i, ids[i + 1]]) for i in range(n_prompt - 1)]
     assert lp["token_logprobs"][1:n_prompt] == pytest.approx(want, abs=1e-4)
