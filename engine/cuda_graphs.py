@@ -54,6 +54,19 @@ class Graph(Protocol):
     def replay(self) -> None: ...
 
 
+class CallingGraph:
+    """A graph that replays by calling the captured function again: the CPU stand-in for a
+    CUDA graph, so tests and dry runs take the graph runner's path (static buffers, padding,
+    pinned key splits) without a GPU."""
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        fn()
+
+    def replay(self) -> None:
+        self.fn()
+
+
 class CudaGraph:
     """A ``torch.cuda.CUDAGraph``; all of a runner's graphs share one memory pool, and they
     are captured largest first so the smaller ones reuse its memory."""

@@ -15,26 +15,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import RequestOutput, SamplingParams
-from engine.cuda_graphs import graph_batch_sizes
+from engine.cuda_graphs import CallingGraph, graph_batch_sizes
 from kernels.interpreter import kernel_device
 from tests.engine.conftest import spy
 from tests.engine.reference import assert_outputs_match, greedy
 from tests.engine.test_triton_backend import PROMPTS, needs_triton
 
-ON_GPU = kernel_device() == "cuda"
+DEVICE = kernel_device()
+ON_GPU = DEVICE == "cuda"
 
 MAX_TOKENS = [9, 4, 12, 6, 10, 1]  # after the prefill: 5, 4, 3, 2, then 1 decodes a step
-
-
-class CallingGraph:
-    """A graph that replays by calling the captured function again."""
-
-    def capture(self, fn) -> None:
-        self.fn = fn
-        fn()
-
-    def replay(self) -> None:
-        self.fn()
 
 
 @pytest.fixture
@@ -43,11 +33,12 @@ def model(tiny_models):
 
 
 def _graph_llm(make_llm, model, **kwargs):
-    llm = make_llm(model, attention_backend="triton", **kwargs)
+    """An engine replaying decode graphs: real CUDA graphs on a GPU, ``CallingGraph`` on CPU."""
+    llm = make_llm(model, attention_backend="triton", device=DEVICE, **kwargs)
     runner = llm.engine.runner
-    assert runner.graphs is None  # never on CPU by itself
+    assert (runner.graphs is not None) == ON_GPU  # captured by itself on a GPU only
     runner.kv_cache.fill_(float("nan"))  # every read must be of a slot written before
-    runner.capture_decode_graphs(graph_factory=CallingGraph)
+    runner.capture_decode_graphs(graph_factory=None if ON_GPU else CallingGraph)
     # Warm-up and capture run the forward on padding rows only: they wrote nothing.
     assert runner.kv_cache.isnan().all()
     return llm
@@ -114,7 +105,7 @@ def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm, monkeyp
 @needs_triton
 def test_seeded_sampling_is_the_same_with_graphs(model, make_llm):
     params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=s) for s in range(4)]
-    eager = make_llm(model, attention_backend="triton").generate(PROMPTS[:4], params)
+    eager = make_llm(model, attention_backend="triton", device=DEVICE, enforce_eager=True).generate(PROMPTS[:4], params)
     llm = _graph_llm(make_llm, model, max_num_seqs=4)
     graphed = llm.generate(PROMPTS[:4], params)
     assert sum(llm.engine.runner.graphs.replays.values()) > 0
@@ -154,7 +145,7 @@ def test_the_captured_forward_never_syncs_with_the_host(model, make_llm):
     llm.generate(PROMPTS[:1], greedy([2]))  # some real context in the cache
     mode = _HostSyncs()
     with mode:  # the interpreter's launches touch tensors without dispatch: still meaningful
-        graphs.graphs[4].fn()
+        graphs._forward_fn(4)()  # the captured function, run again outside the graph
     assert mode.seen == []
     # ...and the check sees a sync when there is one.
     with mode:

@@ -66,3 +66,15 @@ def test_bad_window_or_softcap_is_refused(bad):
     batch = make_batch([(0, 2)], seed=0)
     with pytest.raises(ValueError, match="must be positive"):
         _run(batch, **bad)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_saturated_softcap_matches_the_reference(splits):
+    """Scores far beyond the cap (Gemma 2's heads, without q/k norms, reach them): the kernel's
+    tanh(t) = 1 - 2 / (e^2t + 1) overflows e^2t to infinity there and must still give +-1."""
+    batch = make_batch([(40, 1), (0, 12), (25, 3)], num_kv_heads=2, group=2, head_dim=16, block_size=16, seed=5)
+    batch.q.mul_(200.0)  # t = score * scale / cap up to ~100: e^2t overflows float32
+    out = _run(batch, num_kv_splits=splits, softcap=8.0, sliding_window=8)
+    ref = _reference(batch, softcap=8.0, sliding_window=8)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), ref.float(), **TOL[torch.float32])
