@@ -24,39 +24,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS, gpu_tag
+from benchmarks.common import RESULTS, copy_bandwidth_gbs, gpu_tag, graph_replay_ms, median_ms
 from kernels.interpreter import kernel_device
 from kernels.utils import cdiv
 
 DEVICE = "cuda"
 
 
-def _bench(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median milliseconds of ``fn`` with L2 flushed before each run (CUDA events)."""
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        flush.zero_()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth (read + write bytes / time), the practical peak."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), warmup=3, rep=20)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+def _bench(fn) -> float:
+    """Median milliseconds of ``fn``, each run from device memory (L2 flushed)."""
+    return median_ms(fn, warmup=10, rep=50, flush_l2=True)
 
 
 def _sdpa_fn(q, k_dense, v_dense, scale, group):
@@ -70,11 +47,15 @@ def _sdpa_fn(q, k_dense, v_dense, scale, group):
         return lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, scale=scale), "sdpa(expanded)"
 
 
-def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, copy_gbs, splits):
+def bench_decode(
+    batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, copy_gbs, splits, device=DEVICE
+):
+    """One decode batch's attention: ours (automatic, unsplit and forced split counts) and SDPA
+    on dense KV, timed. ``device``: ``cpu`` runs the kernels in the interpreter (dry runs)."""
     # Imported here: it imports Triton, which is optional (main() says so when there is no GPU).
     from kernels.triton_ops import decode_num_kv_splits, paged_attention
 
-    dev = torch.device(DEVICE)
+    dev = torch.device(device)
     group = num_q_heads // num_kv_heads
     blocks_per_seq = cdiv(ctx, block_size)
     num_blocks = batch * blocks_per_seq + 1
@@ -105,6 +86,12 @@ def bench_decode(batch, ctx, *, num_q_heads, num_kv_heads, head_dim, block_size,
         ms = _bench(ours(ns))
         row[name] = dict(ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
         row[name]["frac_copy_bw"] = row[name]["gbs"] / copy_gbs
+    # As the engine runs it, replayed from a CUDA graph: the kernels' own time, without the
+    # Python launcher's overhead (which dominates small batches when launched one by one).
+    graph_ms = graph_replay_ms(ours(None), flush_l2=True)
+    if isinstance(graph_ms, float):
+        row["triton_graph"] = dict(ms=graph_ms, gbs=kv_bytes / (graph_ms * 1e-3) / 1e9)
+        row["triton_graph"]["frac_copy_bw"] = row["triton_graph"]["gbs"] / copy_gbs
 
     # SDPA on dense KV gathered from the same pages (gather not timed, then timed apart).
     def gather():

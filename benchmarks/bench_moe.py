@@ -20,10 +20,11 @@ import functools
 import platform
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, write_results
+from benchmarks.common import gpu_tag, graph_replay_ms, interpret_kernels_without_gpu, median_ms, write_results
 from engine.models.moe import moe_sorted, route
 from kernels.interpreter import kernel_device
 
@@ -40,49 +41,21 @@ SHAPES = {
     "mixtral": MoEShape(experts=8, top_k=2, hidden=4096, inter=14336),
     "qwen3-moe": MoEShape(experts=128, top_k=8, hidden=2048, inter=768),
 }
+# The dry run's shape: Qwen3-MoE's routing (many experts, top-8) at a size the interpreter runs.
+DRY_RUN_SHAPE = MoEShape(experts=16, top_k=4, hidden=64, inter=32)
 
 
-def _bench(fn, warmup: int = 5, rep: int = 30) -> float:
-    """Median milliseconds of ``fn`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def _bench(fn) -> float:
+    return median_ms(fn, warmup=5, rep=30)
 
 
-def _graph_ms(fn) -> float | str:
-    """``fn`` captured once in a CUDA graph, then replayed: median ms (or why capture failed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up (Triton compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as e:
-        return f"capture failed: {e}"
-    return _bench(graph.replay)
-
-
-def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype) -> list[dict]:
+def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype, device: str = "cuda") -> list[dict]:
     from kernels.fused_moe import choose_tiles, fused_moe
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     e, h, i = shape.experts, shape.hidden, shape.inter
-    w13 = torch.randn(e, 2 * i, h, generator=g, device="cuda", dtype=dtype) * h**-0.5
-    w2 = torch.randn(e, h, i, generator=g, device="cuda", dtype=dtype) * i**-0.5
+    w13 = torch.randn(e, 2 * i, h, generator=g, device=device, dtype=dtype) * h**-0.5
+    w2 = torch.randn(e, h, i, generator=g, device=device, dtype=dtype) * i**-0.5
     rows = []
     print(f"\n{name}: {asdict(shape)}, {str(dtype)[6:]}")
     hdr = (
@@ -92,15 +65,15 @@ def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype)
     print(hdr)
     print("-" * len(hdr))
     for n in tokens:
-        x = torch.randn(n, h, generator=g, device="cuda", dtype=dtype)
-        logits = torch.randn(n, e, generator=g, device="cuda")
+        x = torch.randn(n, h, generator=g, device=device, dtype=dtype)
+        logits = torch.randn(n, e, generator=g, device=device)
         weights, ids = route(logits, shape.top_k, renormalize=True, weight_dtype=torch.float32)
         want = moe_sorted(x, w13, w2, weights, ids)
         got = fused_moe(x, w13, w2, weights, ids)
         err = (got.float() - want.float()).abs().max().item()
         torch_ms = _bench(functools.partial(moe_sorted, x, w13, w2, weights, ids))
         kernel_ms = _bench(functools.partial(fused_moe, x, w13, w2, weights, ids))
-        graph_ms = _graph_ms(functools.partial(fused_moe, x, w13, w2, weights, ids))
+        graph_ms = graph_replay_ms(functools.partial(fused_moe, x, w13, w2, weights, ids))
         touched = int(torch.unique(ids).numel())
         flops = 2 * n * shape.top_k * 3 * h * i
         weight_bytes = touched * 3 * h * i * w13.element_size()
@@ -128,33 +101,37 @@ def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="default 1 8 64 256 1024 4096 (dry: 1 7)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--out", default=None, help="JSON file name under results/ (default moe_<gpu>.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/moe_<gpu>.json)")
+    ap.add_argument("--dry-run", action="store_true", help="without a GPU: a tiny shape in Triton's interpreter")
     args = ap.parse_args(argv)
-
-    if kernel_device() != "cuda":
+    interpret_kernels_without_gpu()
+    on_gpu = kernel_device() == "cuda"
+    if not on_gpu and not args.dry_run:
         print("bench_moe: needs a CUDA GPU (and TRITON_INTERPRET unset) to time the kernel; skipping.")
         return 0
 
     import triton
 
-    from benchmarks.common import gpu_tag
-
-    dtype = getattr(torch, args.dtype)
-    gpu = torch.cuda.get_device_name(0)
+    if on_gpu:
+        dtype, device, gpu = getattr(torch, args.dtype), "cuda", torch.cuda.get_device_name(0)
+        shapes = {name: SHAPES[name] for name in args.shapes}
+        tokens = args.tokens or [1, 8, 64, 256, 1024, 4096]
+    else:  # (the interpreter computes bf16 wrongly: float32)
+        dtype, device, gpu = torch.float32, "cpu", "cpu (dry run)"
+        shapes, tokens = {"dry-run": DRY_RUN_SHAPE}, args.tokens or [1, 7]
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {platform.python_version()}")
     results = {
         "gpu": gpu,
         "triton": triton.__version__,
-        "dtype": args.dtype,
+        "dtype": str(dtype).removeprefix("torch."),
         "shapes": {
-            name: {**asdict(SHAPES[name]), "rows": run_shape(name, SHAPES[name], args.tokens, dtype)}
-            for name in args.shapes
+            name: {**asdict(shape), "rows": run_shape(name, shape, tokens, dtype, device)}
+            for name, shape in shapes.items()
         },
     }
-    write_results(args.out or f"moe_{gpu_tag()}.json", results)
-    print(f"(results under {RESULTS})")
+    write_results(args.out or f"moe_{gpu_tag() if on_gpu else 'cpu'}.json", results)
     return 0
 
 
