@@ -108,7 +108,8 @@ def test_configuration_errors_name_the_setting_or_file(embedded_stack, env, tmp_
 def test_ctrl_c_during_run_names_the_job_and_how_to_get_what_finished(embedded_stack, tmp_path) -> None:
     stack = embedded_stack
     path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl(openai_lines(400, max_tokens=200, ignore_eos=True)))
+    # Long outputs: the job cannot finish between its start and the signal, even on a fast machine.
+    path.write_bytes(jsonl(openai_lines(400, max_tokens=1900, ignore_eos=True)))
     proc = subprocess.Popen(
         [
             sys.executable,
