@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # torch's intra-op threads in the worker's engine (``EngineConfig.cpu_threads``). Unset: the
+    # CPUs the process may use (its affinity and its cgroup's CPU quota, so a pod's CPU limit),
+    # tuned down on CPU while a busy neighbour makes fewer threads faster; logged at start.
+    cpu_threads: int | None = Field(None, ge=1, le=1024)
 
     # Weights from an object store (``--model s3://bucket/prefix/``): downloaded once into the
     # model cache (default: $HF_HOME/conveyor-models when HF_HOME is set, else <home>/models)

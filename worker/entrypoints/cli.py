@@ -263,7 +263,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_concurrency=args.concurrency, model=canonical_model(model),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         drain_timeout_seconds=args.drain_timeout, exit_when_idle_seconds=args.exit_when_idle,
-        **_engine_overrides(args),
+        cpu_threads=args.cpu_threads, **_engine_overrides(args),
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -618,6 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--tensor-parallel-size", type=_at_least_one, metavar="N",
         help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
+    )  # fmt: skip
+    worker.add_argument(
+        "--cpu-threads", type=_at_least_one, metavar="N",
+        help="torch's CPU threads, exactly (default CONVEYOR_CPU_THREADS, else the CPUs this process may use, from "
+        "its affinity and cgroup CPU quota, tuned down while a busy neighbour makes fewer faster)",
     )  # fmt: skip
     worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
     worker.add_argument(
