@@ -17,12 +17,13 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
+from worker.core.catalog import parse_catalog
 from worker.core.limits import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_LIMITS,
@@ -121,6 +122,11 @@ class Settings(BaseSettings):
     # The public name a worker serves its model under (``conveyor worker --served-model-name``):
     # jobs name it (an API batch's ``body.model``) and its queue is named from it.
     served_model_name: str | None = None
+    # The deployment's catalog (``worker.core.catalog``): the model names it serves, separated by
+    # commas (or a JSON list). Work for a declared model is accepted while no worker runs (an
+    # autoscaler starts one on the demand the metrics report for it, 0 when idle), and
+    # ``GET /v1/models`` lists them whether or not a worker is up.
+    models: Annotated[tuple[str, ...], NoDecode] = ()
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -199,6 +205,11 @@ class Settings(BaseSettings):
     exit_when_idle_seconds: float | None = Field(None, gt=0)
 
     log_level: str = "INFO"
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> tuple[str, ...]:
+        return parse_catalog(value)
 
     @field_validator("queue_prefix")
     @classmethod
