@@ -187,6 +187,10 @@ class Settings(BaseSettings):
     # "5s" are accepted), so that expiry can be tested in seconds.
     min_completion_window_seconds: int = Field(MIN_COMPLETION_WINDOW_SECONDS, ge=1, le=MIN_COMPLETION_WINDOW_SECONDS)
 
+    # ``conveyor serve`` also consumes the submission queue (``<prefix>-submit``), as workers do,
+    # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
+    api_takes_submissions: bool = True
+
     # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
     # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
     # Job and shard counts are read from the database at most once per
