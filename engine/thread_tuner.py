@@ -12,18 +12,22 @@ on what else runs, which changes, so it is measured:
 - from time to time a probe compares it with the next count down (or up, alternately) on
   interleaved steps (candidate, current, current, candidate, ...: neighbouring steps carry
   nearly the same batch), by seconds per token scheduled;
-- the candidate wins when it is faster by ``MARGIN`` over ``PROBE_PAIRS`` pairs; it loses at
-  once when a single pair shows it more than ``GIVE_UP`` times slower (a probe of a count
-  that collapses costs one slow step);
+- the candidate wins when it is faster by ``MARGIN`` over ``PROBE_PAIRS`` pairs; a single pair
+  decides when it shows one more than ``DECISIVE`` times faster than the other (a probe of a
+  count that collapses costs one slow step);
 - the time between probes doubles each time the current count keeps its place (up to
-  ``MAX_PROBE_INTERVAL_S``) and starts again at ``PROBE_INTERVAL_S`` when it changes.
+  ``MAX_PROBE_INTERVAL_S``) and starts again at ``PROBE_INTERVAL_S`` when it changes;
+- a step that takes more than ``SURPRISE`` times the median of the recent ones per token (a
+  neighbour has just started) brings the next probe forward to the next step.
 
 The engine sets the count on the thread that steps (torch keeps it per thread).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +35,9 @@ PROBE_INTERVAL_S = 1.0
 MAX_PROBE_INTERVAL_S = 16.0
 PROBE_PAIRS = 3
 MARGIN = 0.1
-GIVE_UP = 2.0
+DECISIVE = 2.0
+SURPRISE = 2.0
+RECENT_STEPS = 16  # steps on the current count whose median is its usual cost per token
 
 
 def thread_ladder(budget: int) -> list[int]:
@@ -87,6 +93,7 @@ class ThreadTuner:
         self._next_probe = clock() + self._interval
         self._probe: _Probe | None = None
         self._go_down = True
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.num_probes = 0
         self.num_changes = 0
 
@@ -100,8 +107,11 @@ class ThreadTuner:
 
     def after_step(self, seconds: float, tokens: int) -> None:
         """The step just run (on ``before_step``'s count) took ``seconds`` for ``tokens``."""
+        if tokens <= 0:
+            return
         probe = self._probe
-        if probe is None or tokens <= 0:
+        if probe is None:
+            self._watch(seconds / tokens)
             return
         assert probe.mine is not None and probe.theirs is not None
         (probe.theirs if probe.candidate_turn() else probe.mine).add(seconds, tokens)
@@ -109,10 +119,19 @@ class ThreadTuner:
         if probe.steps % 2:
             return
         ratio = probe.theirs.per_token / max(probe.mine.per_token, 1e-12)
-        if ratio > GIVE_UP:
-            self._end_probe(won=False)
+        if ratio > DECISIVE or ratio * DECISIVE < 1.0:
+            self._end_probe(won=ratio < 1.0)
         elif probe.steps >= 2 * PROBE_PAIRS:
             self._end_probe(won=ratio < 1.0 - MARGIN)
+
+    def _watch(self, per_token: float) -> None:
+        """Probe at once when the current count suddenly costs far more than it did."""
+        recent = self._recent
+        if len(recent) >= RECENT_STEPS // 2 and per_token > SURPRISE * statistics.median(recent):
+            self._next_probe = self._clock()
+            recent.clear()
+            return
+        recent.append(per_token)
 
     def _neighbour(self) -> int:
         """The count to try next: one rung down, or up, alternately where both exist."""
@@ -133,4 +152,5 @@ class ThreadTuner:
         else:
             self._interval = min(MAX_PROBE_INTERVAL_S, self._interval * 2)
         self._probe = None
+        self._recent.clear()  # a new baseline, on the count now current
         self._next_probe = self._clock() + self._interval

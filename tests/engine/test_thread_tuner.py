@@ -1,6 +1,7 @@
 """The CPU thread tuner: it keeps the faster count on a quiet machine, drops threads beside a busy
-neighbour within one probe, a collapsing count costs one slow step, and it climbs back when the
-neighbour leaves. The engine runs each step on the count chosen for it."""
+neighbour within one probe (at once when one arrives mid-run), a collapsing count costs one slow
+step, and it climbs back when the neighbour leaves. The engine runs each step on the count
+chosen for it."""
 
 from __future__ import annotations
 
@@ -66,6 +67,18 @@ def test_busy_neighbour_drops_a_thread_in_the_first_probe_and_stays():
     assert tuner.threads == 1
     # Probing 2 threads again gives up after one pair each time: one slow step per probe.
     assert m.steps_at[2] - before == tuner.num_probes - 1
+
+
+def test_a_neighbour_arriving_is_noticed_at_once_not_at_the_next_probe():
+    m = Machine(QUIET)
+    tuner = ThreadTuner(2, clock=m.clock)
+    m.run(tuner, 3000)  # probes have backed off to one every MAX_PROBE_INTERVAL_S
+    assert tuner.threads == 2
+    m.cost = BUSY
+    arrived = m.steps_at.get(2, 0)
+    m.run(tuner, 4)  # one slow step is a surprise; the probe's first pair decides
+    assert tuner.threads == 1
+    assert m.steps_at[2] - arrived <= 2  # slow steps paid for the change
 
 
 def test_neighbour_leaving_brings_the_threads_back():
