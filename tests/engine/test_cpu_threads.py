@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import EngineConfig
 from engine.cpu_threads import (
@@ -119,3 +120,19 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split()[:1] + out.stdout.split()[-1:] == ["1", "1"], out.stdout
     assert AFFINITY in out.stdout or QUOTA in out.stdout
+
+
+def test_the_engine_cli_takes_and_logs_the_count(tiny_models, tmp_path, capsys):
+    from engine.__main__ import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\n")
+    before = torch.get_num_threads()
+    try:
+        model = tiny_models("llama")
+        assert main(["--model", model, "--prompts", str(prompts), "--max-tokens", "2", "--cpu-threads", "1"]) == 0
+        assert "engine: 1 torch threads (cpu_threads;" in capsys.readouterr().err
+        assert main(["--model", model, "--prompts", str(prompts), "--cpu-threads", "0"]) == 2
+        assert "cpu_threads must be an integer from 1 to 1024" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

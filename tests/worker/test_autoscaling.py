@@ -338,6 +338,7 @@ def test_every_door_wakes_a_worker_from_zero(deployment: Deployment, autoscaler)
     at_zero(d, scaler)
     check_stopped_cleanly(scaler)
     assert len(scaler.pods) == 3 and all(p.terminated_at is not None for p in scaler.pods)  # one per door
+    assert all(" torch threads (" in p.proc.log() for p in scaler.pods)  # each logged its CPU threads at start
     assert not scaler.errors, scaler.errors
 
 

@@ -447,10 +447,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"conveyor serve: OpenAI-compatible API at {where} ({keys_note}); database "
         f"{redact_url(settings.database)}, broker {redact_url(settings.broker)}, "
-        f"storage {redact_url(settings.storage)}",
+        f"storage {redact_url(settings.storage)}"
+        + (f"; taking broker submissions from {submit_queue_name(settings.queue_prefix)}"
+           if settings.api_takes_submissions else ""),
         file=sys.stderr,
         flush=True,
-    )
+    )  # fmt: skip
     uvicorn.run(
         app,
         host=args.host,
