@@ -1,7 +1,8 @@
 """Broker submissions taken by the API server while no worker runs (``SubmissionConsumer``): a
 plain kombu producer's message, sent twice, becomes one ``validating`` job (demand for its
-model) with its intake queued; what is not a submission is dropped, as Celery drops it; a
-database that is down sends the message back to the queue. On Redis and RabbitMQ."""
+model) with its intake queued, and its end (a cancel) is announced with no worker either;
+what is not a submission is dropped, as Celery drops it; a database that is down sends the
+message back to the queue. On Redis and RabbitMQ."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from sqlalchemy import select
 
 from tests.worker.api_server import ApiServer
 from tests.worker.helpers import Scrape, Stack, jsonl, openai_lines, wait_for
-from tests.worker.test_broker_submission import load_example, producer, publish_task
+from tests.worker.test_broker_submission import load_example, producer, publish_task, reply_queue
 from worker.broker.config import celery_app
 from worker.broker.queues import DEFAULT_QUEUE, intake_queue_name, queue_depth, submit_queue_name
 from worker.broker.submission_consumer import SubmissionConsumer, Verdict
 from worker.core.settings import Settings
+from worker.jobs.lifecycle import cancel_job
 from worker.metrics.exposition import ApiMetrics
 from worker.store.database import create_db_engine
 from worker.store.models import Job, JobStatus
@@ -34,32 +36,41 @@ def test_the_api_takes_a_submission_twice_sent_as_one_job_while_no_worker_runs(
     server = ApiServer(settings).start()
     app = celery_app(settings, DEFAULT_QUEUE)
     db = create_db_engine(settings.database)
+    example = load_example()
+    key = f"night-{uuid.uuid4().hex[:8]}"
+
+    def jobs() -> list[tuple[str, JobStatus, str]]:
+        with db.connect() as c:
+            rows = c.execute(select(Job.id, Job.status, Job.model).where(Job.idempotency_key == key))
+            return [(str(job_id), JobStatus(status), str(model)) for job_id, status, model in rows]
+
     try:
         store = server.app.state.services.store
         store.put_bytes("inputs/night.jsonl", jsonl(openai_lines(5)))
-        key = f"night-{uuid.uuid4().hex[:8]}"
-        fields = {"input_uri": store.uri("inputs/night.jsonl"), "model": stack.model, "idempotency_key": key}
-        example = load_example()
-        with producer(stack) as conn:
+        with producer(stack) as conn, reply_queue(conn) as replies:
+            fields = {
+                "input_uri": store.uri("inputs/night.jsonl"), "model": stack.model, "idempotency_key": key,
+                "reply_to": replies,
+            }  # fmt: skip
             example.submit(conn, fields, prefix)
             example.submit(conn, fields, prefix)  # a retry: a new task id, the same key
             # What no worker could take either: dropped, and the consumer goes on.
             publish_task(conn, prefix, {"not": "a list"}, {"task": "conveyor.submit_job", "id": "t-bad-body"})
             publish_task(conn, prefix, [[], {}, {}], {"task": "conveyor.run_shard", "id": "t-other-task"})
 
-        def jobs() -> list[tuple[JobStatus, str]]:
-            with db.connect() as c:
-                rows = c.execute(select(Job.status, Job.model).where(Job.idempotency_key == key))
-                return [(JobStatus(status), str(model)) for status, model in rows]
+            wait_for(lambda: queue_depth(app, submit_queue_name(prefix)) == 0 and jobs(), 30, "the submissions taken")
+            [(job_id, status, model)] = jobs()
+            assert status is JobStatus.validating and model == stack.model
+            assert queue_depth(app, intake_queue_name(prefix)) in (1, 2)  # each copy sends the intake: harmless
+            metrics = ApiMetrics(settings)
+            m = Scrape.parse(metrics.render()[0].decode())
+            metrics.close()
+            assert m.value("conveyor_demand", model=stack.model) == 1  # what a trigger sees before any worker
 
-        wait_for(lambda: queue_depth(app, submit_queue_name(prefix)) == 0 and jobs(), 30, "the submissions taken")
-        [(status, model)] = jobs()
-        assert status is JobStatus.validating and model == stack.model
-        assert queue_depth(app, intake_queue_name(prefix)) in (1, 2)  # each copy sends the intake: harmless
-        metrics = ApiMetrics(settings)
-        m = Scrape.parse(metrics.render()[0].decode())
-        metrics.close()
-        assert m.value("conveyor_demand", model=stack.model) == 1  # what a trigger sees before any worker
+            # Cancelled while still no worker runs: the API server announces the end itself.
+            assert cancel_job(db, store, job_id)["status"] == "cancelled"
+            end = example.wait_for_end(conn, replies, key, timeout=30)
+            assert end["status"] == "cancelled" and end["job_id"] == job_id
     finally:
         server.stop()
         app.close()
