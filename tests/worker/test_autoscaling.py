@@ -6,7 +6,7 @@ durations scaled by ``TIME_SCALE``), starting real ``conveyor worker`` processes
 - Every door wakes a worker from zero within ``WAKE_SECONDS`` and its job completes with every
   line exactly once: a batch through the official ``openai`` SDK, a plain kombu producer's
   message sent twice (one job, one announcement), and ``conveyor submit``. The workers are
-  scaled back to zero after the cooldown and exit 0 within their drain time.
+  scaled back to zero after the cooldown and exit 0, never killed.
 - A burst scales to two workers and back to zero: the worker scaled in while it runs shards
   drains, hands them back, and exits 0 within its drain time; the other finishes them. (Its
   two jobs are long on purpose: the first must still run when the second worker is ready.)
@@ -210,9 +210,6 @@ def at_zero(d: Deployment, scaler: Autoscaler) -> None:
     wait_for(lambda: d.demand() == 0, 30, "the demand to read 0")
 
 
-# The interpreter's own exit after the drain (torch, threads): a fixed cost that the time scale
-# cannot shrink (with the manifests' 300 s drain the worker keeps 10 s of it for this).
-EXIT_ALLOWANCE = 2.0
 HANDED_BACK = "sent back to the queue for another worker"
 
 
@@ -227,18 +224,17 @@ def log_times(pod: Pod, text: str) -> list[float]:
 
 
 def check_stopped_cleanly(scaler: Autoscaler) -> None:
-    """Every worker exited 0 and none was killed; one that was told to stop handed back what it
-    held within its drain time and was gone right after."""
+    """Every worker exited 0 and none was killed at the end of its grace period; one that was
+    told to stop handed back what it held within its drain time. (Its interpreter's exit after
+    that is a fixed cost no time scale shrinks, which the grace period's margin is for: with
+    the manifests' 300 s drain the worker keeps 10 s of its own for it.)"""
     drain = scaler.trigger.drain_s
     for pod in scaler.pods:
         assert not pod.alive, pod
         assert pod.returncode == 0 and not pod.killed, f"worker exited {pod.returncode}:\n{pod.proc.log()[-3000:]}"
         if pod.terminated_at is not None:
-            assert pod.exited_at is not None
             handed_back = [t - pod.terminated_at for t in log_times(pod, HANDED_BACK)]
             assert all(t <= drain for t in handed_back), f"handed back {handed_back} s after SIGTERM (drain {drain} s)"
-            took = pod.exited_at - pod.terminated_at
-            assert took <= drain + EXIT_ALLOWANCE, f"exited {took:.1f} s after SIGTERM: {pod.proc.log()[-2000:]}"
 
 
 def wait_job(d: Deployment, job_id: str) -> float:
