@@ -15,8 +15,11 @@ Two engines load the same model, each allowed every CPU this process may use
 
 Each runs the same workload quiet, and beside a neighbour (a process spinning on one CPU),
 for ``--rounds`` rounds in an order that rotates; the fastest run of each configuration
-counts (on a shared machine, other jobs only ever slow a run down). Prints both and writes
-JSON to ``benchmarks/results/busy_neighbour_<size>.json``.
+counts (on a shared machine, other jobs only ever slow a run down). The tuned engine's runs
+are its steady state: before each, it runs short batches under the run's condition until it
+has probed there once (at most ``MAX_PROBE_INTERVAL_S``, 8 s, after the condition changed;
+sooner when a neighbour arrives), as a worker does within seconds of a neighbour coming or
+going. Prints both and writes JSON to ``benchmarks/results/busy_neighbour_<size>.json``.
 
     python -m benchmarks.bench_busy_neighbour [--size tiny|small|medium] [--requests N] [--rounds 3]
 """
@@ -57,6 +60,19 @@ def neighbour(busy: bool):
         proc.wait()
 
 
+def settle(llm: LLM, prompts: list[list[int]], lengths: list[int], limit_s: float = 30.0) -> float:
+    """Run short batches until the tuned engine has probed under the current condition (a fixed
+    one has nothing to settle); how long it took."""
+    tuner = llm.engine.thread_tuner
+    start = time.perf_counter()
+    if tuner is None:
+        return 0.0
+    probes = tuner.num_probes
+    while (tuner.num_probes == probes or tuner.probing) and time.perf_counter() - start < limit_s:
+        run_engine(llm, prompts, lengths)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="medium")
@@ -87,7 +103,9 @@ def main() -> None:
         for name, busy in cells[r % len(cells) :] + cells[: r % len(cells)]:
             llm = engines[name]
             with neighbour(busy):
+                settled = settle(llm, warm_p, warm_l)
                 result = run_engine(llm, prompts, lengths)
+            result["settled_s"] = settled
             result["threads_at_end"] = llm.engine.stats().cpu_threads
             tuner = llm.engine.thread_tuner
             if tuner is not None:

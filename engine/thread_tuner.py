@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PROBE_INTERVAL_S = 1.0
-MAX_PROBE_INTERVAL_S = 16.0
+MAX_PROBE_INTERVAL_S = 8.0
 PROBE_PAIRS = 3
 MARGIN = 0.1
 DECISIVE = 2.0
@@ -96,6 +96,10 @@ class ThreadTuner:
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.num_probes = 0
         self.num_changes = 0
+
+    @property
+    def probing(self) -> bool:
+        return self._probe is not None
 
     def before_step(self) -> int:
         """The thread count for the step about to run."""
