@@ -83,49 +83,46 @@ class Trigger:
         return self.query.replace(f'model="{self.model}"', f'model="{model}"')
 
 
-def _grace(pod: dict[str, Any], args: list[str], time_scale: float) -> float:
-    """The drain timeout scaled, plus the grace period's margin over it as it is."""
-    drain = _flag(args, "--drain-timeout")
-    return drain * time_scale + (float(pod["terminationGracePeriodSeconds"]) - drain)
-
-
-def _trigger_meta(spec: dict[str, Any]) -> dict[str, Any]:
-    [trigger] = spec["triggers"]
-    assert trigger["type"] == "prometheus"
-    return dict(trigger["metadata"])
-
-
 def _model_of(query: str) -> str:
     models = set(re.findall(r'model="([^"]*)"', query))
     assert len(models) == 1, f"the trigger's query names {models}, not one model"
     return models.pop()
 
 
+def _common(spec: dict[str, Any], pod: dict[str, Any], time_scale: float) -> dict[str, Any]:
+    """What a ScaledObject and a ScaledJob share: the trigger, polling, bounds, the pod's stop.
+    The grace period is the drain timeout scaled plus its margin over it as it is."""
+    [trigger] = spec["triggers"]
+    assert trigger["type"] == "prometheus"
+    meta = trigger["metadata"]
+    args = pod["containers"][0]["args"]
+    drain = _flag(args, "--drain-timeout")
+    return {
+        "query": meta["query"],
+        "threshold": float(meta["threshold"]),
+        "activation": float(meta.get("activationThreshold", 0)),
+        "polling_s": spec.get("pollingInterval", 30) * time_scale,
+        "max_replicas": int(spec["maxReplicaCount"]),
+        "grace_s": drain * time_scale + (float(pod["terminationGracePeriodSeconds"]) - drain),
+        "drain_s": drain * time_scale,
+        "concurrency": int(_docs(CONFIG)[0]["data"]["CONVEYOR_WORKER_CONCURRENCY"]),
+        "model": _model_of(meta["query"]),
+    }
+
+
 def scaled_object_trigger(time_scale: float) -> Trigger:
     [so] = _docs(SCALED_OBJECT)
     spec = so["spec"]
-    meta = _trigger_meta(spec)
     deployment = next(d for d in _docs(WORKER) if d["kind"] == "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    args = pod["containers"][0]["args"]
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
     [policy] = behavior["policies"]
     assert policy["type"] == "Pods"
-    concurrency = int(_docs(CONFIG)[0]["data"]["CONVEYOR_WORKER_CONCURRENCY"])
     return Trigger(
-        query=meta["query"],
-        threshold=float(meta["threshold"]),
-        activation=float(meta.get("activationThreshold", 0)),
-        polling_s=spec.get("pollingInterval", 30) * time_scale,
-        max_replicas=int(spec["maxReplicaCount"]),
+        **_common(spec, deployment["spec"]["template"]["spec"], time_scale),
         cooldown_s=spec.get("cooldownPeriod", 300) * time_scale,
         stabilization_s=behavior["stabilizationWindowSeconds"] * time_scale,
         pods_per_period=int(policy["value"]),
         period_s=policy["periodSeconds"] * time_scale,
-        grace_s=_grace(pod, args, time_scale),
-        drain_s=_flag(args, "--drain-timeout") * time_scale,
-        concurrency=concurrency,
-        model=_model_of(meta["query"]),
     )
 
 
@@ -133,20 +130,10 @@ def scaled_job_trigger(time_scale: float) -> Trigger:
     [sj] = _docs(SCALED_JOB)
     spec = sj["spec"]
     assert spec["scalingStrategy"]["strategy"] == "default"
-    meta = _trigger_meta(spec)
     pod = spec["jobTargetRef"]["template"]["spec"]
-    args = pod["containers"][0]["args"]
     return Trigger(
-        query=meta["query"],
-        threshold=float(meta["threshold"]),
-        activation=float(meta.get("activationThreshold", 0)),
-        polling_s=spec.get("pollingInterval", 30) * time_scale,
-        max_replicas=int(spec["maxReplicaCount"]),
-        grace_s=_grace(pod, args, time_scale),
-        drain_s=_flag(args, "--drain-timeout") * time_scale,
-        idle_s=_flag(args, "--exit-when-idle") * time_scale,
-        concurrency=int(_docs(CONFIG)[0]["data"]["CONVEYOR_WORKER_CONCURRENCY"]),
-        model=_model_of(meta["query"]),
+        **_common(spec, pod, time_scale),
+        idle_s=_flag(pod["containers"][0]["args"], "--exit-when-idle") * time_scale,
     )
 
 
