@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches (GPU)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many processes")
+    ap.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads, exactly (default: the CPUs this process may use, from its affinity and cgroup "
+        "CPU quota, tuned down while a busy neighbour makes fewer threads faster)",
+    )
     args = ap.parse_args(argv)
 
     model = args.model
@@ -61,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
+            cpu_threads=args.cpu_threads,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"engine: {llm.engine.cpu_budget.describe()}", file=sys.stderr)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start

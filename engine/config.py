@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.admission import ADMISSION_POLICIES
+from engine.cpu_threads import check_cpu_threads
 from engine.scheduler import WAITING_QUEUES
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -74,6 +75,11 @@ class EngineConfig:
     # Tensor parallelism: this many processes (one GPU each on CUDA) each hold a slice of
     # every layer and of the KV cache (``engine.distributed``).
     tensor_parallel_size: int = 1
+    # torch's intra-op threads (``engine.cpu_threads``). None: the CPUs this process may use
+    # (affinity, cgroup quota; OMP_NUM_THREADS when set), and on CPU the engine tunes the count
+    # under that ceiling from its own step times (``engine.thread_tuner``); a number: exactly
+    # that many, never tuned.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -91,6 +97,7 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self._check_tensor_parallel_size()
+        check_cpu_threads(self.cpu_threads)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -15,6 +15,7 @@ import torch
 from engine.attention.triton_backend import prepare_interpreter
 from engine.chunk_budget import is_prefill, make_chunk_controller
 from engine.config import EngineConfig
+from engine.cpu_threads import apply_cpu_budget, cpu_budget
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -30,6 +31,7 @@ from engine.spec_decode.stats import SpecDecodeStats
 from engine.startup import StartupTimings, sync
 from engine.structured_outputs import StructuredOutputManager, check_tools
 from engine.text_checks import check_text, check_texts
+from engine.thread_tuner import ThreadTuner
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class EngineStats:
     num_prompt_tokens_computed: int
     num_generated_tokens: int
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    cpu_threads: int = 0  # torch's intra-op threads the last step ran on
 
 
 class LLMEngine:
@@ -67,6 +70,11 @@ class LLMEngine:
         self.startup = startup = StartupTimings(started_at=time.time())
         begin = time.perf_counter()
         self.config = config
+        # Before anything runs torch operators (loading the weights included); the ranks of
+        # tensor parallelism split this count between them (``ModelRunner``).
+        self.cpu_budget = cpu_budget(config.cpu_threads)
+        apply_cpu_budget(self.cpu_budget)
+        log.info("engine: %s", self.cpu_budget.describe())
         if config.attention_backend == "triton":
             # Triton chooses its CPU interpreter when first imported, and transformers imports
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
@@ -150,6 +158,12 @@ class LLMEngine:
         self._last_step_tokens = 0
         self._prompt_tokens_computed = 0
         self._generated_tokens = 0
+        # The steps' intra-op threads: the budget (this rank's share of it under tensor
+        # parallelism), or on CPU what the tuner picks under it.
+        self._base_threads = self._step_threads = torch.get_num_threads()
+        budget = self.cpu_budget
+        tunable = self.runner.device.type == "cpu" and config.tensor_parallel_size == 1 and budget.derived
+        self.thread_tuner = ThreadTuner(budget.threads) if tunable and budget.threads > 1 else None
         sync(self.runner.device)
         startup.total = time.perf_counter() - begin
 
@@ -331,6 +345,12 @@ class LLMEngine:
         if spec is not None:
             spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
+        tuner = self.thread_tuner
+        if sched.requests:
+            self._step_threads = tuner.before_step() if tuner is not None else self._base_threads
+            if torch.get_num_threads() != self._step_threads:  # torch keeps it per thread: the stepping one's
+                torch.set_num_threads(self._step_threads)
+        step_begin = time.perf_counter()
         if spec is not None:
             spec.propose(sched, self.scheduler.running, lambda r: self.kv.block_ids(r.request_id))
         if not sched.requests:
@@ -346,6 +366,8 @@ class LLMEngine:
             else []
         )
         result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
+        if tuner is not None:
+            tuner.after_step(time.perf_counter() - step_begin, sched.total_tokens)
         for req, entries in result.prompt_logprobs:
             assert req.prompt_logprobs is not None
             req.prompt_logprobs.extend(entries)
@@ -509,4 +531,5 @@ class LLMEngine:
             num_prompt_tokens_computed=self._prompt_tokens_computed,
             num_generated_tokens=self._generated_tokens,
             spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
+            cpu_threads=self._step_threads,
         )

@@ -30,6 +30,7 @@ from tests.infra.contract import (
     pyproject,
     settings_variables,
 )
+from worker.core.catalog import parse_catalog
 
 COMPOSE = INFRA / "compose.yaml"
 OUR_IMAGES = set(IMAGES.values())
@@ -133,6 +134,16 @@ def test_environment_names_real_settings_and_services():
         assert endpoint.hostname == "minio" and endpoint.port == 9000, name
         # The bucket the store names is the one the one-shot creates.
         assert f"local/{storage.hostname}" in " ".join(services()["createbucket"]["command"]), name
+
+
+def test_the_catalog_declares_the_workers_model():
+    """The API accepts batches for declared models while the worker is still loading."""
+    for name, service in conveyor_services().items():
+        catalog = parse_catalog(environment(service).get("CONVEYOR_MODELS"))
+        for worker_name, worker in workers().items():
+            inv = check_invocation(command(worker))
+            model = inv.options.get("--served-model-name") or inv.value("--model")
+            assert model in catalog, f"{name}: CONVEYOR_MODELS {catalog} omits {worker_name}'s model {model!r}"
 
 
 def test_ports_and_health_checks_hit_what_each_command_serves():

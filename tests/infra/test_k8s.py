@@ -1,8 +1,9 @@
 """infra/k8s: every overlay renders with `kubectl kustomize`, every object validates offline
 (Kubernetes' schemas for K8S_VERSION; KEDA's CRDs, checked in), and the properties that make
-scale-to-zero safe hold: KEDA scales from 0 on waiting + in-flight shards, GPU workers ask for
-a GPU, probes hit what the commands serve, a draining worker is never killed early, and no
-secret value is committed."""
+scale-to-zero safe hold: KEDA scales from 0 on the demand (shards waiting and in flight, jobs
+not yet ingested), the catalog declares the workers' models, GPU workers ask for a GPU, probes
+hit what the commands serve, a draining worker is never killed early, and no secret value is
+committed."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tests.infra.contract import (
     settings_variables,
 )
 from tests.infra.keda_schema import K8S_VERSION, object_errors
+from worker.core.catalog import parse_catalog
 
 K8S = INFRA / "k8s"
 OVERLAYS = {
@@ -46,7 +48,7 @@ SCALED_OBJECT_OVERLAYS = ["base", "cpu", "gpu"]
 GPU_OVERLAYS = ["gpu", "gpu-jobs"]
 NAMESPACE = "conveyor"
 SECRET_NAME = "conveyor-secrets"  # created by the operator (infra/README.md), never committed
-WAITING, IN_FLIGHT = "conveyor_shards_waiting", "conveyor_shards_in_flight"
+DEMAND = "conveyor_demand"
 GPU = "nvidia.com/gpu"
 SECRET_LOOKING = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY|CREDENTIAL|DATABASE_URL|BROKER_URL", re.IGNORECASE)
 URL_WITH_PASSWORD = re.compile(r"\w+://[^/\s:@]*:[^/\s@]+@")
@@ -190,17 +192,15 @@ def test_validation_rejects_broken_objects():
 
 
 def _trigger_checks(where: str, triggers: list[dict[str, Any]], model: str, concurrency: int) -> None:
-    assert len(triggers) == 1, f"{where}: one trigger, on the shard count"
+    assert len(triggers) == 1, f"{where}: one trigger, on the demand"
     trigger = triggers[0]
     assert trigger["type"] == "prometheus", where
     meta = trigger["metadata"]
     query = meta["query"]
     selectors = metric_selectors(query)
-    # waiting + in flight: a queue-length count misses the shards workers are running.
-    assert set(selectors) == {WAITING, IN_FLIGHT}, f"{where}: {query!r} must add waiting and in-flight shards"
-    assert re.search(rf"{WAITING}\{{[^}}]*\}}\s*\+\s*{IN_FLIGHT}|{IN_FLIGHT}\{{[^}}]*\}}\s*\+\s*{WAITING}", query), (
-        f"{where}: {query!r} must add the two counts"
-    )
+    # The demand: shards waiting and in flight (a queue-length count misses the running ones)
+    # and jobs with no shard yet (a batch or a broker submission that no worker has ingested).
+    assert set(selectors) == {DEMAND}, f"{where}: {query!r} must read {DEMAND}, what every door's work adds to"
     for name, labels in selectors.items():
         assert labels == {"model": model}, f"{where}: {name} must select the workers' model {model!r}, not {labels}"
     # Every scrape target (each worker, the API) reports the same database: max, not sum.
@@ -235,6 +235,18 @@ def test_scaled_object_scales_workers_from_zero_on_in_flight_aware_count(overlay
     scale_down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
     assert scale_down["stabilizationWindowSeconds"] >= 60
     assert all(p["type"] == "Pods" and p["value"] == 1 for p in scale_down["policies"])
+
+
+@pytest.mark.parametrize("overlay", DEPLOYABLE)
+def test_the_catalog_declares_every_workers_model(overlay):
+    """With no worker running, the API accepts work only for declared models and reports their
+    demand: a worker whose model is missing from CONVEYOR_MODELS could never be woken by a batch."""
+    objs = render(overlay)
+    catalog = [m.strip() for m in config(objs).get("CONVEYOR_MODELS", "").split(",") if m.strip()]
+    assert parse_catalog(",".join(catalog)) == tuple(catalog), "CONVEYOR_MODELS must parse as the settings do"
+    for owner, _template, _c, inv in worker_pods(objs):
+        model = inv.options.get("--served-model-name") or inv.value("--model")
+        assert model in catalog, f"{overlay}: {owner} serves {model!r}, which CONVEYOR_MODELS ({catalog}) omits"
 
 
 @pytest.mark.parametrize("overlay", SCALED_OBJECT_OVERLAYS)

@@ -7,6 +7,7 @@ the item metrics: each newly stored item once."""
 from __future__ import annotations
 
 import io
+import os
 import socket
 from collections.abc import Sequence
 
@@ -105,6 +106,7 @@ def test_a_worker_s_metrics_add_up_to_what_its_job_did(pg_redis_s3_stack, spawn_
     assert 0 <= m.value("conveyor_kv_cache_usage_ratio", model=model) <= 1
     assert m.value("conveyor_kv_cache_blocks", model=model) == ENGINE["num_kv_blocks"]
     assert 0 <= m.value("conveyor_prefix_cache_hit_rate", model=model) <= 1
+    assert 1 <= m.value("conveyor_engine_cpu_threads", model=model) <= len(os.sched_getaffinity(0))
     # The database: this test's schema holds this one job, all its shards done.
     assert m.value("conveyor_metrics_database_up") == 1
     assert {s.labels["status"]: s.value for s in m.find("conveyor_jobs") if s.value} == {"completed": 1}

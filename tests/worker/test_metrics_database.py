@@ -1,6 +1,6 @@
 """The database's metrics (``worker/metrics/db_collector.py``), served over real HTTP and read
-with ``prometheus_client``'s parser: jobs by status, per model the shards waiting and in
-flight and the live workers, the read cache, and a database that cannot be reached."""
+with ``prometheus_client``'s parser: jobs by status, per model the demand, the shards waiting
+and in flight and the live workers, the read cache, and a database that cannot be reached."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from tests.worker.conftest import PG_HOST, PG_PORT
 from tests.worker.helpers import Scrape, jsonl, openai_lines, scrape
 from tests.worker.tcp_proxy import TcpProxy
 from worker.core.settings import Settings
+from worker.jobs.finalize import finalize_if_ready
 from worker.jobs.lifecycle import cancel_job
-from worker.jobs.submission import SubmitOptions, submit_job
+from worker.jobs.submission import SubmitOptions, create_job, submit_job
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.exposition import ApiMetrics
 from worker.metrics.server import MetricsServer
@@ -192,3 +193,38 @@ def test_a_database_without_the_schema_reads_as_down(tmp_path, serve) -> None:
     m = scrape(serve(DatabaseCollector(db, live_seconds=60, cache_seconds=0)))
     assert m.status == 200 and m.value("conveyor_metrics_database_up") == 0
     db.dispose()
+
+
+def test_demand_counts_every_piece_of_work_that_needs_a_worker(db_engine, db_url, tmp_path) -> None:
+    """``conveyor_demand``: shards waiting and in flight, a batch no worker has ingested yet,
+    and a job whose finalisation is due; the catalog's models read 0 before any work came."""
+    declared = "org/declared"
+    settings = _settings(tmp_path, db_url).model_copy(update={"metrics_cache_seconds": 0.0, "models": (declared,)})
+    store = LocalStore(tmp_path / "objects")
+    metrics = ApiMetrics(settings)
+
+    def read(model: str) -> tuple[float, float]:
+        m = Scrape.parse(metrics.render()[0].decode())
+        return m.value("conveyor_demand", model=model), m.value("conveyor_jobs_waiting", model=model)
+
+    try:
+        assert read(declared) == (0, 0)  # reported before any work came: a trigger reads 0, not nothing
+        store.put_bytes("inputs/a.jsonl", jsonl(openai_lines(3)))
+        uri = store.uri("inputs/a.jsonl")
+        validating, _ = create_job(db_engine, store, settings, uri, SubmitOptions(model=MODEL_A))
+        assert validating["status"] == "validating"
+        assert read(MODEL_A) == (1, 1)  # a batch whose intake no worker has run: it needs one
+        running = _submit(db_engine, tmp_path, settings, MODEL_A, 5, 2)  # 3 shards
+        assert read(MODEL_A) == (4, 1)
+        assert acquire_lease(db_engine, running, 0, "worker-1", 60.0)
+        assert read(MODEL_A) == (4, 1)  # in flight counts as much as waiting
+        for index in range(3):
+            assert index == 0 or acquire_lease(db_engine, running, index, "worker-1", 60.0)
+            assert release_lease(db_engine, running, index, "worker-1", ShardStatus.completed)
+        assert read(MODEL_A) == (2, 2)  # every shard done, the job not finalised: its finaliser is due
+        assert finalize_if_ready(db_engine, store, running) is not None
+        assert read(MODEL_A) == (1, 1)
+        cancel_job(db_engine, store, validating["id"])
+        assert read(MODEL_A) == (0, 0) and read(declared) == (0, 0)
+    finally:
+        metrics.close()

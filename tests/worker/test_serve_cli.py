@@ -103,4 +103,5 @@ def test_the_conveyor_serve_process_answers_the_sdk(embedded_stack, env, capsys,
         _, err = proc.communicate(timeout=30)
     text = err.decode()
     assert "OpenAI-compatible API at" in text and ("insecure" in text) == insecure
+    assert "taking broker submissions from t" in text  # (the test's queue prefix starts with t)
     assert key not in text  # never logged

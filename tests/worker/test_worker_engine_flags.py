@@ -39,3 +39,28 @@ def test_a_bad_size_is_refused_by_the_parser(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["worker", "--model", "org/model", "--tensor-parallel-size", "0"])
     assert "--tensor-parallel-size: expected an integer of at least 1, got 0" in capsys.readouterr().err
+
+
+def test_cpu_threads_setting_and_flag_reach_the_engine(engine_config_seen, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CPU_THREADS", "3")
+    assert cli.main(["worker", "--model", "org/model"]) == 1
+    assert engine_config_seen["config"].cpu_threads == 3
+    assert cli.main(["worker", "--model", "org/model", "--cpu-threads", "2"]) == 1  # the flag wins
+    assert engine_config_seen["config"].cpu_threads == 2
+    monkeypatch.delenv("CONVEYOR_CPU_THREADS")
+    assert cli.main(["worker", "--model", "org/model"]) == 1
+    assert engine_config_seen["config"].cpu_threads is None  # the machine decides (engine.cpu_threads)
+
+
+def test_cpu_threads_disagreeing_with_the_engine_args_is_refused(engine_config_seen, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"cpu_threads": 4}')
+    assert cli.main(["worker", "--model", "org/model", "--cpu-threads", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "CONVEYOR_CPU_THREADS=2 and CONVEYOR_ENGINE_ARGS' cpu_threads=4 disagree" in err
+    assert "config" not in engine_config_seen
+
+
+def test_a_bad_cpu_thread_count_names_the_setting(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CONVEYOR_CPU_THREADS", "0")
+    assert cli.main(["worker", "--model", "org/model"]) == 1
+    assert "CONVEYOR_CPU_THREADS" in capsys.readouterr().err

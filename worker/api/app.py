@@ -3,7 +3,10 @@
 It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (each router in
 its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
 broker as the workers (``worker.api.services``). Errors are OpenAI's (``worker.api.errors``).
-While it runs, a background thread deletes uploaded files past their ``expires_at``.
+While it runs, a background thread deletes uploaded files past their ``expires_at``, and another
+takes broker submissions (``worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
+so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
+the job-end announcements still due (``worker.broker.announce``), which workers do as well.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from worker.api import health, routes_batches, routes_files, routes_models
 from worker.api.errors import install_error_handlers
 from worker.api.metrics_route import metrics_router
 from worker.api.services import ApiServices
+from worker.broker.announce import Announcer
+from worker.broker.submission_consumer import SubmissionConsumer
 from worker.core.periodic import Periodic
 from worker.core.settings import Settings
 from worker.jobs.files import delete_expired_files
@@ -47,10 +52,23 @@ def create_app(
             EXPIRED_FILES_INTERVAL_SECONDS,
             lambda: delete_expired_files(services.db, services.store),
         ).start()
+        background = [janitor]
+        submissions = None
+        if settings.api_takes_submissions:
+            submissions = SubmissionConsumer(services.broker, services.db, services.store, settings).start()
+            # The ends of submitted jobs that are still to be announced (a batch cancelled here,
+            # say): workers publish them too, but none may be running.
+            announcer = Announcer(services.broker, services.db, settings)
+            background.append(
+                Periodic("conveyor-announcements", settings.sweep_interval_seconds, announcer.announce_due).start()
+            )
         try:
             yield
         finally:
-            janitor.stop()
+            if submissions is not None:
+                submissions.stop()
+            for thread in background:
+                thread.stop()
             metrics.close()
             services.close()
 

@@ -11,8 +11,10 @@ decides at once whether the batch can run, each refusal a 400 naming its paramet
   larger than ``CONVEYOR_MAX_INPUT_BYTES``;
 - its lines name one model in ``body.model`` (as OpenAI requires) and every ``url`` is the
   batch's ``endpoint``;
-- a live worker serves that model now (``GET /v1/models``): a batch for a model nobody
-  serves would only wait until it expired.
+- the model is one this deployment runs (``GET /v1/models``, ``worker.jobs.catalog``): declared
+  in ``CONVEYOR_MODELS`` or served by some worker before, whether or not one runs now (an
+  autoscaler starts one on the demand the batch adds); a batch for a model nobody ever runs
+  would only wait until it expired.
 
 The job is then recorded ``validating`` (``create_job``) and a worker is asked to read the
 file (``enqueue_intake``): lines it rejects one by one (bad JSON, a bad body, a missing
@@ -34,10 +36,10 @@ from worker.batchio.request_body import ENDPOINTS
 from worker.broker.queues import enqueue_intake
 from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
+from worker.jobs.catalog import catalog
 from worker.jobs.files import BATCH, FileNotFound, get_file_info
 from worker.jobs.owned_jobs import fail_unqueued
 from worker.jobs.submission import SubmitOptions, check_metadata, create_job, job_with_key
-from worker.store.workers import served_models
 
 MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
 MAX_IDEMPOTENCY_KEY_CHARS = 128
@@ -154,9 +156,9 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
             param="input_file_id",
         )
     model = batch_model(info.batch_scan, req.endpoint, req.input_file_id, info.object["bytes"], settings)
-    served = [name for name, _since in served_models(db, settings.worker_live_seconds)]
-    if model not in served:
-        listed = ", ".join(repr(m) for m in served[:20]) or "none"
+    known = catalog(db, settings)
+    if model not in {m.model for m in known}:
+        listed = ", ".join([repr(m.model) for m in known if m.live_workers][:20]) or "none"
         raise bad_request(
             f"The model {model!r} is not served by any live worker (served now: {listed}); start one with "
             f"`conveyor worker --model CHECKPOINT --served-model-name {model}`.",

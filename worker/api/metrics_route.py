@@ -1,7 +1,8 @@
 """``GET /metrics``: the API process's Prometheus metrics (``worker.metrics.exposition``):
-jobs by status, and per model the shards waiting and in flight and the live workers, read
-from the database with a short cache. Open like ``/healthz``: a scraper holds no API key, and
-the numbers name no user's data."""
+jobs by status, and per model the demand (what an autoscaler reads, also while no worker
+runs), the shards waiting and in flight and the live workers, read from the database with a
+short cache. Open like ``/healthz``: a scraper holds no API key, and the numbers name no
+user's data."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""``/v1/models``: the models that live workers serve now (OpenAI's model objects).
+"""``/v1/models``: the models batches may name (OpenAI's model objects).
 
-A model is listed while at least one worker serving it is ``ready`` with a heartbeat in the
-last ``CONVEYOR_WORKER_LIVE_SECONDS``; its id is the name batches use in ``body.model`` (the
-worker's ``--served-model-name``, else its ``--model``), ``created`` when its longest-running
-worker started.
+These are the deployment's catalog (``worker.jobs.catalog``): the models declared in
+``CONVEYOR_MODELS`` and those a worker has served, listed whether or not a worker runs now
+(a deployment that scales from zero has none while idle). Each id is the name batches use in
+``body.model``; ``created`` is when a worker first served it (for a model only declared so
+far, when this server started); ``live_workers``, beside OpenAI's fields, is how many
+workers serve it now (``ready``, a heartbeat in the last ``CONVEYOR_WORKER_LIVE_SECONDS``).
 """
 
 from __future__ import annotations
@@ -15,26 +17,34 @@ from fastapi import APIRouter
 from worker.api.auth import Caller
 from worker.api.errors import not_found
 from worker.api.services import Services
-from worker.store.workers import served_models
+from worker.jobs.catalog import CatalogModel, catalog, lookup
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 OWNED_BY = "conveyor"
 
 
-def model_object(model: str, since: float) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": int(since), "owned_by": OWNED_BY}
+def model_object(entry: CatalogModel, started_at: float) -> dict[str, Any]:
+    created = entry.first_served_at if entry.first_served_at is not None else started_at
+    return {
+        "id": entry.model, "object": "model", "created": int(created), "owned_by": OWNED_BY,
+        "live_workers": entry.live_workers,
+    }  # fmt: skip
 
 
 @router.get("")
 def list_models(_owner: Caller, services: Services) -> dict[str, Any]:
-    models = served_models(services.db, services.settings.worker_live_seconds)
-    return {"object": "list", "data": [model_object(m, since) for m, since in models]}
+    entries = catalog(services.db, services.settings)
+    return {"object": "list", "data": [model_object(m, services.started_at) for m in entries]}
 
 
 @router.get("/{model_id:path}")
 def retrieve_model(model_id: str, _owner: Caller, services: Services) -> dict[str, Any]:
-    for model, since in served_models(services.db, services.settings.worker_live_seconds):
-        if model == model_id:
-            return model_object(model, since)
-    raise not_found(f"The model '{model_id[:256]}' does not exist or no worker serves it now.", param="model")
+    entry = lookup(services.db, services.settings, model_id)
+    if entry is None:
+        raise not_found(
+            f"The model '{model_id[:256]}' does not exist here: it is neither declared (CONVEYOR_MODELS) nor served "
+            "by any worker.",
+            param="model",
+        )
+    return model_object(entry, services.started_at)

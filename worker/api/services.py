@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -31,6 +32,7 @@ class ApiServices:
     # owned by nobody (``owner`` None), as what the CLI creates.
     insecure: bool = False
     ready: tuple[float, dict[str, Any]] | None = None  # /readyz's last answer, and when
+    started_at: float = field(default_factory=time.time)
     verifier: KeyVerifier = field(init=False)
     uploads: asyncio.Semaphore = field(init=False)
     _broker: Any = field(default=None, repr=False)

@@ -47,6 +47,24 @@ HEAD_BYTES = 4096  # what format detection reads of the input
 JOBS_PREFIX = "jobs/"  # Conveyor's own objects (``worker.jobs.object_keys``)
 
 
+class IntakeNotSent(RuntimeError):
+    """A submission's job exists but its intake could not be enqueued: the submission message
+    goes back to the broker, and its redelivery enqueues the intake again."""
+
+
+def intake_sender(send: Callable[[str], None]) -> Callable[[str], None]:
+    """``send`` (enqueue a job's intake), raising ``IntakeNotSent`` when the broker, which has
+    just delivered the submission, cannot take the intake message now."""
+
+    def intake(job_id: str) -> None:
+        try:
+            send(job_id)
+        except Exception as exc:
+            raise IntakeNotSent(f"could not enqueue the intake of job {job_id}: {type(exc).__name__}: {exc}") from exc
+
+    return intake
+
+
 def input_key(store: ObjectStore, uri: str) -> str:
     """The store key of a submission's input; ``ValueError`` (naming ``input_uri``) when the
     URI is outside the store or names one of Conveyor's own job objects."""

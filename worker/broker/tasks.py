@@ -48,7 +48,7 @@ from worker.broker.queues import (
     enqueue_shards,
     queue_name,
 )
-from worker.broker.submissions import handle_submission
+from worker.broker.submissions import IntakeNotSent, handle_submission, intake_sender
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.shard_runner import RetryShard, run_shard
@@ -190,14 +190,7 @@ def register_tasks(app: Celery) -> None:
             return _submit(self, ctx, args, kwargs)
 
     def _submit(self: Any, ctx: WorkerContext, args: Any, kwargs: Any) -> dict[str, Any]:
-        def intake(job_id: str) -> None:
-            try:
-                enqueue_intake(app, job_id, ctx.settings.queue_prefix)
-            except Exception as exc:  # the broker took this message but cannot take that one now
-                raise _IntakeNotSent(
-                    f"could not enqueue the intake of job {job_id}: {type(exc).__name__}: {exc}"
-                ) from exc
-
+        intake = intake_sender(lambda job_id: enqueue_intake(app, job_id, ctx.settings.queue_prefix))
         try:
             return ctx.gate.call(
                 lambda: handle_submission(
@@ -208,11 +201,6 @@ def register_tasks(app: Celery) -> None:
                 patience=ctx.settings.dependency_retry_seconds,
                 give_up=ctx.state.hand_back_due,
             )  # fmt: skip
-        except (DependencyUnavailable, _IntakeNotSent) as exc:
+        except (DependencyUnavailable, IntakeNotSent) as exc:
             log.warning("%s; handing the submission back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
-
-
-class _IntakeNotSent(RuntimeError):
-    """A submission's job exists but its intake could not be enqueued: the submission message
-    goes back to the broker, and its redelivery enqueues the intake again."""

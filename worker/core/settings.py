@@ -17,12 +17,13 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
+from worker.core.catalog import parse_catalog
 from worker.core.limits import (
     DEFAULT_COMPLETION_WINDOW,
     DEFAULT_LIMITS,
@@ -121,9 +122,18 @@ class Settings(BaseSettings):
     # The public name a worker serves its model under (``conveyor worker --served-model-name``):
     # jobs name it (an API batch's ``body.model``) and its queue is named from it.
     served_model_name: str | None = None
+    # The deployment's catalog (``worker.core.catalog``): the model names it serves, separated by
+    # commas (or a JSON list). Work for a declared model is accepted while no worker runs (an
+    # autoscaler starts one on the demand the metrics report for it, 0 when idle), and
+    # ``GET /v1/models`` lists them whether or not a worker is up.
+    models: Annotated[tuple[str, ...], NoDecode] = ()
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # torch's intra-op threads in the worker's engine (``EngineConfig.cpu_threads``). Unset: the
+    # CPUs the process may use (its affinity and its cgroup's CPU quota, so a pod's CPU limit),
+    # tuned down on CPU while a busy neighbour makes fewer threads faster; logged at start.
+    cpu_threads: int | None = Field(None, ge=1, le=1024)
 
     # Weights from an object store (``--model s3://bucket/prefix/``): downloaded once into the
     # model cache (default: $HF_HOME/conveyor-models when HF_HOME is set, else <home>/models)
@@ -177,6 +187,10 @@ class Settings(BaseSettings):
     # "5s" are accepted), so that expiry can be tested in seconds.
     min_completion_window_seconds: int = Field(MIN_COMPLETION_WINDOW_SECONDS, ge=1, le=MIN_COMPLETION_WINDOW_SECONDS)
 
+    # ``conveyor serve`` also consumes the submission queue (``<prefix>-submit``), as workers do,
+    # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
+    api_takes_submissions: bool = True
+
     # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
     # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
     # Job and shard counts are read from the database at most once per
@@ -195,6 +209,11 @@ class Settings(BaseSettings):
     exit_when_idle_seconds: float | None = Field(None, gt=0)
 
     log_level: str = "INFO"
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> tuple[str, ...]:
+        return parse_catalog(value)
 
     @field_validator("queue_prefix")
     @classmethod

@@ -29,6 +29,7 @@ from worker.batchio.records import InputError, InputFormat
 from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
 from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+from worker.jobs.catalog import is_declared
 from worker.jobs.lifecycle import JobNotFound, NotRetryable
 from worker.jobs.model_names import InvalidModel, canonical_model
 from worker.jobs.object_keys import InvalidJobId
@@ -105,10 +106,13 @@ def _summary(job: dict[str, Any]) -> str:
     return "  |  ".join(parts)
 
 
-def service_note(service: ModelService) -> str | None:
-    """What to say when no live worker serves a job's model (None when one does)."""
+def service_note(service: ModelService, declared: bool = False) -> str | None:
+    """What to say when no live worker serves a job's model (None when one does); ``declared``:
+    the model is in CONVEYOR_MODELS, so the deployment's autoscaler starts a worker for it."""
     if service.live:
         return None
+    if declared:
+        return f"no worker serves model {service.model} yet; it is declared (CONVEYOR_MODELS): an autoscaler starts one"
     start = f"start one with: conveyor worker --model {service.model}"
     if service.last_heartbeat_at is None:
         return f"no worker has ever served model {service.model}; {start}"
@@ -228,7 +232,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             completion_window=args.completion_window,
         )
         live = JobStatus(job["status"]).terminal or client.model_service(job["model"]).live
-    if not live:  # the job stays queued: a worker may start later
+        declared = is_declared(client.settings, job["model"])
+    if not live and not declared:  # the job stays queued: a worker may start later
         model = job["model"]
         print(
             f"conveyor: warning: no live worker serves model {model}; start one with: conveyor worker --model {model}",
@@ -263,7 +268,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_concurrency=args.concurrency, model=canonical_model(model),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         drain_timeout_seconds=args.drain_timeout, exit_when_idle_seconds=args.exit_when_idle,
-        **_engine_overrides(args),
+        cpu_threads=args.cpu_threads, **_engine_overrides(args),
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -294,7 +299,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _client() as client:
         job = client.status(args.job)
         service = None if JobStatus(job["status"]).terminal else client.model_service(job["model"])
-    note = None if service is None else service_note(service)
+    note = None if service is None else service_note(service, is_declared(client.settings, job["model"]))
     if args.json:
         if service is not None:  # an extra field beside OpenAI's: who serves the job's model
             job["serving"] = {**service.as_dict(), "note": note}
@@ -442,10 +447,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"conveyor serve: OpenAI-compatible API at {where} ({keys_note}); database "
         f"{redact_url(settings.database)}, broker {redact_url(settings.broker)}, "
-        f"storage {redact_url(settings.storage)}",
+        f"storage {redact_url(settings.storage)}"
+        + (f"; taking broker submissions from {submit_queue_name(settings.queue_prefix)}"
+           if settings.api_takes_submissions else ""),
         file=sys.stderr,
         flush=True,
-    )
+    )  # fmt: skip
     uvicorn.run(
         app,
         host=args.host,
@@ -618,6 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--tensor-parallel-size", type=_at_least_one, metavar="N",
         help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
+    )  # fmt: skip
+    worker.add_argument(
+        "--cpu-threads", type=_at_least_one, metavar="N",
+        help="torch's CPU threads, exactly (default CONVEYOR_CPU_THREADS, else the CPUs this process may use, from "
+        "its affinity and cgroup CPU quota, tuned down while a busy neighbour makes fewer faster)",
     )  # fmt: skip
     worker.add_argument("--loglevel", help="DEBUG, INFO, WARNING... (default CONVEYOR_LOG_LEVEL, INFO)")
     worker.add_argument(

@@ -50,6 +50,14 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
     priority and a deadline (``expires_at``), so the scheduler defaults to the ``priority``
     policy: the job's priority first, then the earliest deadline, then arrival order."""
     args = {"scheduling_policy": "priority", **settings.engine_args}
+    if settings.cpu_threads is not None:
+        given = settings.engine_args.get("cpu_threads")
+        if given is not None and given != settings.cpu_threads:
+            raise ConfigError(
+                f"CONVEYOR_CPU_THREADS={settings.cpu_threads} and CONVEYOR_ENGINE_ARGS' cpu_threads={given!r} "
+                "disagree; set one of them"
+            )
+        args["cpu_threads"] = settings.cpu_threads
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     unknown = sorted(set(args) - known)
     if unknown:

@@ -14,10 +14,10 @@ import hashlib
 import re
 from pathlib import Path
 
+from worker.core.catalog import HUB_ID as _HUB_ID
 from worker.store.model_cache import canonical_model_uri, is_model_uri
 from worker.store.models import MODEL_LEN
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 MAX_SLUG = 48
 

@@ -1,23 +1,32 @@
-"""Metrics read from the database at scrape time: jobs by status and, per model, the shards
-waiting for a worker, the shards in flight and the live workers.
+"""Metrics read from the database at scrape time: jobs by status and, per model, the work that
+needs a worker (its demand), the shards waiting and in flight, and the live workers.
 
-The shard counts are what an autoscaler needs. A broker's queue length cannot see the
-messages workers have taken but not acknowledged (every running shard: ``acks_late``),
-nor a shard whose worker died; the database knows them all:
+The demand is what an autoscaler scales on. A broker's queue length cannot see the messages
+workers have taken but not acknowledged (every running shard: ``acks_late``), nor a shard
+whose worker died, nor a job that has no shard yet; the database knows them all:
 
 - waiting: shards of unfinished jobs that no live worker holds: ``pending``, or ``running``
   under an expired lease (its worker died; the sweeper hands it back);
-- in flight: shards ``running`` under a live lease.
+- in flight: shards ``running`` under a live lease;
+- jobs waiting: unfinished jobs with no shard waiting or in flight, each counted once: a
+  batch in ``validating`` (an uploaded file or a broker submission whose intake no worker
+  has run yet) and a job whose finalisation is due or stalled. Work that came by any door
+  is here before any worker runs: ``conveyor submit`` ingests in its own process, the API
+  records a batch ``validating``, and the API server takes broker submissions too
+  (``worker.broker.submission_consumer``);
+- demand: the three added up.
 
-Scale on ``waiting + in_flight`` (work that needs a worker), taking ``max`` rather than
-``sum`` across scrape targets: every worker and the API report the same database-wide
-numbers. A brief database outage removes these series (``conveyor_metrics_database_up`` is
-0 meanwhile): an autoscaler's query can ride it out with ``max_over_time(...[2m])``.
+Scale on ``conveyor_demand``, taking ``max`` rather than ``sum`` across scrape targets:
+every worker and the API report the same database-wide numbers. The models of the
+deployment's catalog (``CONVEYOR_MODELS``) are always reported, 0 when idle, so a trigger
+reads a number, not nothing, before any work came. A brief database outage removes these
+series (``conveyor_metrics_database_up`` is 0 meanwhile): an autoscaler's query can ride it
+out with ``max_over_time(...[2m])``.
 
-Each read is three grouped queries over indexed columns (the shard query only touches
-pending and running shards), under a statement timeout on PostgreSQL, and is cached for
-``cache_seconds``: many scrapes at once make one read. A failed read (the database down,
-the schema missing) never fails the scrape.
+Each read is four grouped queries over indexed columns (the shard query only touches
+pending and running shards, the jobs query only unfinished jobs), under a statement timeout
+on PostgreSQL, and is cached for ``cache_seconds``: many scrapes at once make one read. A
+failed read (the database down, the schema missing) never fails the scrape.
 """
 
 from __future__ import annotations
@@ -27,11 +36,11 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import case, func, select
+from sqlalchemy import case, exists, func, select
 from sqlalchemy.engine import Engine
 
 from worker.store.database import create_db_engine, normalize_url
@@ -43,6 +52,10 @@ DEFAULT_TIMEOUT_SECONDS = 5.0  # under Prometheus' default scrape timeout (10 s)
 MAX_MODELS = 256  # models remembered (reported at 0 once their work is done)
 
 _UNFINISHED = [s for s in JobStatus if not s.terminal]
+_ACTIVE_SHARD = (ShardStatus.pending, ShardStatus.running)
+# Jobs a worker must still take up: intake (validating), finalisation (in progress with no
+# shard left, or finalizing). A cancelling job is finished by whoever cancelled it.
+_JOB_WORK = (JobStatus.validating, JobStatus.in_progress, JobStatus.finalizing)
 
 
 def metrics_db_engine(url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Engine:
@@ -67,6 +80,11 @@ class DatabaseCounts:
     waiting: dict[str, int]  # model -> shards
     in_flight: dict[str, int]  # model -> shards
     workers: dict[str, int]  # model -> live workers
+    jobs_waiting: dict[str, int] = field(default_factory=dict)  # model -> jobs with no active shard
+
+    def demand(self, model: str) -> int:
+        """Work that needs a worker of ``model``: shards waiting or in flight, jobs waiting."""
+        return self.waiting.get(model, 0) + self.in_flight.get(model, 0) + self.jobs_waiting.get(model, 0)
 
 
 def read_counts(db: Engine, *, live_seconds: float, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> DatabaseCounts:
@@ -84,8 +102,12 @@ def read_counts(db: Engine, *, live_seconds: float, timeout_seconds: float = DEF
             select(Job.model, state, func.count())
             .select_from(Shard)
             .join(Job, Job.id == Shard.job_id)
-            .where(Shard.status.in_((ShardStatus.pending, ShardStatus.running)), Job.status.in_(_UNFINISHED))
+            .where(Shard.status.in_(_ACTIVE_SHARD), Job.status.in_(_UNFINISHED))
             .group_by(Job.model, state)
+        ).all()
+        active = exists().where(Shard.job_id == Job.id, Shard.status.in_(_ACTIVE_SHARD))
+        jobs_waiting = conn.execute(
+            select(Job.model, func.count()).where(Job.status.in_(_JOB_WORK), ~active).group_by(Job.model)
         ).all()
         workers = conn.execute(
             select(Worker.model, func.count())
@@ -101,14 +123,15 @@ def read_counts(db: Engine, *, live_seconds: float, timeout_seconds: float = DEF
         waiting=waiting,
         in_flight=in_flight,
         workers={model: int(count) for model, count in workers},
+        jobs_waiting={model: int(count) for model, count in jobs_waiting},
     )
 
 
 class DatabaseCollector(Collector):
     """The database's counts as Prometheus gauges, read at most once per ``cache_seconds``.
 
-    ``models`` are always reported (a worker's own model), as is every model seen since this
-    collector started (up to ``MAX_MODELS``): a drained queue reads 0, not nothing."""
+    ``models`` are always reported (the catalog, a worker's own model), as is every model seen
+    since this collector started (up to ``MAX_MODELS``): a drained queue reads 0, not nothing."""
 
     def __init__(
         self,
@@ -175,6 +198,16 @@ class DatabaseCollector(Collector):
         workers = GaugeMetricFamily(
             "conveyor_workers_live", "Workers serving the model (ready, with a recent heartbeat).", labels=["model"]
         )
+        jobs_waiting = GaugeMetricFamily(
+            "conveyor_jobs_waiting",
+            "Unfinished jobs with no shard waiting or in flight: intake (validating) or finalisation due.",
+            labels=["model"],
+        )
+        demand = GaugeMetricFamily(
+            "conveyor_demand",
+            "Work that needs a worker of the model: shards waiting or in flight, plus jobs waiting (what to scale on).",
+            labels=["model"],
+        )
         if counts is not None:
             for status in JobStatus:
                 jobs.add_metric([status.value], float(counts.jobs.get(status.value, 0)))
@@ -182,10 +215,12 @@ class DatabaseCollector(Collector):
                 waiting.add_metric([model], float(counts.waiting.get(model, 0)))
                 in_flight.add_metric([model], float(counts.in_flight.get(model, 0)))
                 workers.add_metric([model], float(counts.workers.get(model, 0)))
-        return [up, took, jobs, waiting, in_flight, workers]
+                jobs_waiting.add_metric([model], float(counts.jobs_waiting.get(model, 0)))
+                demand.add_metric([model], float(counts.demand(model)))
+        return [up, took, jobs, waiting, in_flight, workers, jobs_waiting, demand]
 
     def _remember(self, counts: DatabaseCounts) -> set[str]:
-        present = set(counts.waiting) | set(counts.in_flight) | set(counts.workers)
+        present = set(counts.waiting) | set(counts.in_flight) | set(counts.workers) | set(counts.jobs_waiting)
         for model in sorted(present - self._models):
             if len(self._models) >= MAX_MODELS:
                 break

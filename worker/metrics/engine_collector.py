@@ -1,6 +1,6 @@
 """The engine's state at scrape time: requests running and waiting, KV-cache usage, the prefix
-cache, preemptions, steps and tokens computed, and speculative decoding's proposals and
-acceptances (only with it on).
+cache, preemptions, steps and tokens computed, the CPU threads its steps run on, and
+speculative decoding's proposals and acceptances (only with it on).
 
 Read from the engine host's latest stats (``WorkerContext.host_stats``: the loop thread
 refreshes them every half second while busy), so a scrape never touches the engine. Before
@@ -73,6 +73,11 @@ class EngineCollector(Collector):
             "conveyor_engine_generated_tokens",
             "Tokens the engine generated, those of aborted requests included.",
             "num_generated_tokens",
+        )
+        yield gauge(
+            "conveyor_engine_cpu_threads",
+            "torch's intra-op threads the engine's last step ran on (on CPU, tuned to what the machine gives).",
+            "cpu_threads",
         )
         yield from self._spec_decode_families(getattr(engine, "spec_decode", None) if engine is not None else None)
 

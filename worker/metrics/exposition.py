@@ -1,9 +1,10 @@
 """The API server's ``/metrics``, framework-agnostic: bytes and a content type.
 
 The API process runs no engine and stores no items, so its metrics are the database's
-(``db_collector``: jobs by status; per model the shards waiting, in flight, and the live
-workers) plus the process's own. Mount it in FastAPI as a plain ``def`` route (the read
-blocks on the database, so it runs in the thread pool, not on the event loop)::
+(``db_collector``: jobs by status; per model the demand, the shards waiting and in flight,
+the jobs waiting and the live workers; the catalog's models always) plus the process's own.
+Mount it in FastAPI as a plain ``def`` route (the read blocks on the database, so it runs in
+the thread pool, not on the event loop)::
 
     from fastapi import FastAPI, Request, Response
     from worker.metrics.exposition import ApiMetrics
@@ -26,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from worker.core.settings import Settings
+from worker.jobs.catalog import declared_models
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.registry import new_registry
 
@@ -50,7 +52,10 @@ class ApiMetrics:
         self._db = metrics_db_engine(settings.database)
         self.registry.register(
             DatabaseCollector(
-                self._db, live_seconds=settings.worker_live_seconds, cache_seconds=settings.metrics_cache_seconds
+                self._db,
+                live_seconds=settings.worker_live_seconds,
+                cache_seconds=settings.metrics_cache_seconds,
+                models=declared_models(settings),
             )
         )
 

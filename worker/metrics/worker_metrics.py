@@ -14,6 +14,7 @@ with one (``broker/worker_process.py``).
 from __future__ import annotations
 
 from worker.execution.context import WorkerContext
+from worker.jobs.catalog import declared_models
 from worker.metrics.cold_start_collector import ColdStartCollector
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.engine_collector import EngineCollector
@@ -36,7 +37,10 @@ class WorkerMetrics:
         self._db = metrics_db_engine(s.database)
         self.registry.register(
             DatabaseCollector(
-                self._db, live_seconds=s.worker_live_seconds, cache_seconds=s.metrics_cache_seconds, models=[ctx.model]
+                self._db,
+                live_seconds=s.worker_live_seconds,
+                cache_seconds=s.metrics_cache_seconds,
+                models=[ctx.model, *declared_models(s)],
             )
         )
         ctx.item_listeners.append(self.items.observe)

@@ -44,6 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from worker.core.catalog import MAX_MODEL_CHARS
 from worker.core.limits import DEFAULT_COMPLETION_WINDOW, MAX_CUSTOM_ID_CHARS
 
 # JSON documents: JSONB on Postgres, JSON (text) elsewhere.
@@ -57,7 +58,7 @@ BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 ID_LEN = 64
 URI_LEN = 2048
 CUSTOM_ID_LEN = MAX_CUSTOM_ID_CHARS
-MODEL_LEN = 256
+MODEL_LEN = MAX_MODEL_CHARS
 IDEMPOTENCY_KEY_LEN = 256
 FILENAME_LEN = 512
 # The rows of the partial index ``ix_jobs_unannounced``.

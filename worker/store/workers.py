@@ -13,7 +13,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy import case, delete, exists, func, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import aliased
 
@@ -69,17 +69,30 @@ def model_service(db: Engine, model: str, live_seconds: float) -> ModelService:
     return ModelService(model, int(live), None if last is None else float(last))
 
 
-def served_models(db: Engine, live_seconds: float) -> list[tuple[str, float]]:
-    """``(model, since)`` for each model a live worker serves (``ready``, with a heartbeat in
-    the last ``live_seconds``), by name; ``since``: when the longest-running of them started."""
+@dataclass(frozen=True)
+class ServedModel:
+    """A model some worker has served (``ready`` at some point): how many serve it now, and
+    since when any has."""
+
+    model: str
+    live: int
+    first_started_at: float
+
+
+def served_ever(db: Engine, live_seconds: float) -> list[ServedModel]:
+    """Every model a worker has served (a worker that failed to start never counts), with its
+    live workers (``ready``, a heartbeat in the last ``live_seconds``), by name. The registry
+    keeps the newest worker of each model however old (``prune_workers``), so a model once
+    served stays here."""
+    live = (Worker.state == WorkerState.ready) & (Worker.heartbeat_at >= now() - live_seconds)
     stmt = (
-        select(Worker.model, func.min(Worker.started_at))
-        .where(Worker.state == WorkerState.ready, Worker.heartbeat_at >= now() - live_seconds)
+        select(Worker.model, func.sum(case((live, 1), else_=0)), func.min(Worker.started_at))
+        .where(Worker.state.in_((WorkerState.ready, WorkerState.stopped)))
         .group_by(Worker.model)
         .order_by(Worker.model)
     )
     with db.connect() as conn:
-        return [(str(model), float(since)) for model, since in conn.execute(stmt)]
+        return [ServedModel(str(m), int(n or 0), float(since)) for m, n, since in conn.execute(stmt)]
 
 
 def prune_workers(db: Engine, older_than: float) -> int:
