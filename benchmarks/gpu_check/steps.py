@@ -53,7 +53,7 @@ def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
                 *models,
                 *dry,
             ],
-            limit_s=360,
+            limit_s=400,
             outputs=["throughput.json"],
         ),
         Step(
