@@ -191,6 +191,15 @@ class Settings(BaseSettings):
     # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
     api_takes_submissions: bool = True
 
+    # Prefix-cache sharing between jobs (``worker.execution.cache_salt``): ``owner`` reuses cached
+    # prompt blocks only between jobs of one owner (an API key), so no tenant learns another's
+    # prompts from ``cached_tokens`` or timing; ``global`` shares them between all jobs (only
+    # for a deployment whose users may all see each other's prompts).
+    cache_sharing: Literal["owner", "global"] = "owner"
+    # The prefix-cache owner of every job submitted without an API key (``conveyor submit``, a
+    # broker producer), so the operator's own jobs share their cache; empty: each such job alone.
+    unowned_cache_salt: str = Field("", max_length=128)
+
     # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
     # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
     # Job and shard counts are read from the database at most once per
