@@ -14,7 +14,7 @@ from celery import Celery
 
 from worker.broker.app_state import AppState
 from worker.broker.config import celery_app
-from worker.broker.queues import DEFAULT_QUEUE, queue_name
+from worker.broker.queues import CONVEYOR_TASKS, DEFAULT_QUEUE, queue_name
 from worker.broker.tasks import register_tasks
 from worker.broker.worker_process import add_consumer_steps, connect_signals
 from worker.core.settings import Settings, get_settings
@@ -32,6 +32,16 @@ def create_app(settings: Settings | None = None, model: str | None = None) -> Ce
     app = celery_app(settings, queue)
     app.conveyor = AppState(settings, canonical, queue)
     register_tasks(app)
+    drop_foreign_tasks(app)
     add_consumer_steps(app)
     connect_signals()
     return app
+
+
+def drop_foreign_tasks(app: Celery) -> None:
+    """Unregister every task but Conveyor's: Celery's built-ins (``celery.accumulate``,
+    ``celery.map``, ``celery.chord_unlock``...) would run for anyone who may publish a job. A
+    message naming one is then refused as an unregistered task (logged, not requeued)."""
+    app.finalize(auto=True)
+    for name in [name for name in app.tasks if not name.startswith(CONVEYOR_TASKS)]:
+        app.tasks.unregister(name)

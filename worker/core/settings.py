@@ -150,6 +150,8 @@ class Settings(BaseSettings):
     # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     broker_visibility_timeout: float = Field(3600.0, gt=0)
+    # The largest task message a worker takes (a bigger one is refused and logged, not run).
+    max_message_bytes: int = Field(1 * MiB, ge=1024)
 
     # Fault handling: how often a running shard looks for a cancel, how often each worker
     # sweeps for shards of dead workers, and how many attempts a failing shard gets (only
