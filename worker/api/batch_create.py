@@ -39,7 +39,7 @@ from worker.core.settings import Settings
 from worker.jobs.catalog import catalog
 from worker.jobs.files import BATCH, FileNotFound, get_file_info
 from worker.jobs.owned_jobs import fail_unqueued
-from worker.jobs.submission import SubmitOptions, check_metadata, create_job, job_with_key
+from worker.jobs.submission import SubmitOptions, check_metadata, create_job, http_idempotency_key, job_with_key
 
 MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
 MAX_IDEMPOTENCY_KEY_CHARS = 128
@@ -141,7 +141,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     if idempotency is not None:
         if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
             raise bad_request(f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters.")
-        key = f"api:{owner or '-'}:{idempotency}"  # one owner's key never finds another's batch
+        key = http_idempotency_key(owner, idempotency)
         existing = job_with_key(db, key)
         if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
             return _same_request(existing, req, metadata)

@@ -192,6 +192,10 @@ class Settings(BaseSettings):
     # ``conveyor serve`` also consumes the submission queue (``<prefix>-submit``), as workers do,
     # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
     api_takes_submissions: bool = True
+    # A broker submission's ``reply_to`` (a queue or exchange name) must start with this, so a
+    # producer cannot have announcements published into another application's queues; empty:
+    # any name but Conveyor's own queues and ``amq.*``.
+    reply_to_prefix: str = Field("", max_length=100)
 
     # Prefix-cache sharing between jobs (``worker.execution.cache_salt``): ``owner`` reuses cached
     # prompt blocks only between jobs of one owner (an API key), so no tenant learns another's
