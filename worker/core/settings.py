@@ -294,9 +294,10 @@ class Settings(BaseSettings):
         return not (self.database_url or self.broker_url or self.storage_url)
 
     def ensure_home(self) -> Path:
-        """Create the home directory (for the embedded defaults); returns it."""
+        """Create the home directory (for the embedded defaults), readable by its user only
+        (it holds the database with every prompt and key hash); returns it."""
         home = self.home_dir
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
         return home
 
     def input_limits(self) -> InputLimits:
