@@ -32,6 +32,7 @@ from worker.core.limits import (
     MIN_COMPLETION_WINDOW_SECONDS,
     GiB,
     InputLimits,
+    KiB,
     MiB,
     completion_window_seconds,
 )
@@ -106,6 +107,14 @@ class Settings(BaseSettings):
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
     # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
     upload_idle_timeout_seconds: float = Field(60.0, gt=0)
+    # How many of those uploads one API key may stream at once (one more is answered 429), so
+    # one tenant cannot hold every slot.
+    max_concurrent_uploads_per_key: int = Field(2, ge=1, le=1024)
+    # An upload slower than this on average, once it has run for the idle timeout, is answered
+    # 408 and dropped (a byte every few seconds must not hold a slot).
+    upload_min_bytes_per_second: int = Field(8 * KiB, ge=0)
+    # No upload may take longer than this in all.
+    upload_max_seconds: float = Field(3600.0, gt=0)
 
     # Sharding, leases and write batching.
     shard_size: int = Field(256, ge=1)
