@@ -132,3 +132,119 @@ def test_a_nul_in_metadata_is_a_400_naming_it(server) -> None:  # noqa: F811
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "metadata" and "NUL" in error["message"]
     assert client.batches.list().data == []
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the server closes ``sock`` within ``seconds`` without answering."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(65536) == b""
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("server", [{"http_header_timeout_seconds": 1.0}], indirect=True)
+def test_a_connection_that_never_finishes_its_headers_is_closed(server) -> None:  # noqa: F811
+    host = server.url.removeprefix("http://")
+    with _connect(server) as sock:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode())  # ... and no more
+        assert _closed_within(sock, 10)
+    with _connect(server) as sock:  # the same after a first request on a kept-alive connection
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while b'{"status":"ok"}' not in data:
+            data += sock.recv(65536)
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n".encode())
+        assert _closed_within(sock, 10)
+
+
+@pytest.mark.parametrize("server", [{"http_body_timeout_seconds": 1.0}], indirect=True)
+def test_a_json_body_that_never_arrives_is_a_408(server) -> None:  # noqa: F811
+    host, key = server.url.removeprefix("http://"), server.new_key("slow-json")
+    with _connect(server) as sock:
+        sock.sendall(
+            f"POST /v1/batches HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            f'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"input_file_id": '.encode()
+        )
+        sock.settimeout(10)
+        status, body = _answer(sock)
+    assert status == 408 and "CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS" in body["error"]["message"]
+
+
+def test_a_form_of_many_empty_parts_is_refused(server) -> None:  # noqa: F811
+    key = server.new_key("parts")
+    empty = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n\r\n'.encode()
+    body = empty * 1000 + f"--{BOUNDARY}--\r\n".encode()
+    with _connect(server) as sock:
+        sock.sendall(_head(server, key, len(body)) + body)
+        sock.settimeout(10)
+        status, answer = _answer(sock)
+    assert status == 400 and "more than 16 parts" in answer["error"]["message"]
+
+
+def test_a_workers_metrics_server_drops_half_sent_requests(tmp_path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from worker.metrics.server import MetricsServer
+
+    metrics = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, request_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", metrics.port), timeout=30) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            assert _closed_within(sock, 10)
+    finally:
+        metrics.close()
+
+
+TOKEN = "scraper-token-0123456789"
+
+
+@pytest.mark.parametrize("server", [{"metrics_token": TOKEN}], indirect=True)
+def test_metrics_and_readiness_detail_need_a_token_or_a_key(server) -> None:  # noqa: F811
+    import httpx2 as httpx
+    from prometheus_client import CollectorRegistry
+
+    from worker.metrics.server import MetricsServer
+
+    anonymous = httpx.get(f"{server.url}/metrics")
+    assert anonymous.status_code == 401 and "database" not in anonymous.text
+    scraped = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert scraped.status_code == 200 and "conveyor_jobs" in scraped.text
+    # /readyz: ready or not to anyone (a probe holds no key), each check's detail to a key holder.
+    assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready"}
+    key = server.new_key("operator")
+    detail = httpx.get(f"{server.url}/readyz", headers={"Authorization": f"Bearer {key}"}).json()
+    assert detail["checks"] == {"database": "ok", "broker": "ok", "storage": "ok"}
+    metrics = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, token=TOKEN)  # a worker's, the same way
+    try:
+        assert httpx.get(f"http://127.0.0.1:{metrics.port}/metrics").status_code == 401
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"http://127.0.0.1:{metrics.port}/metrics", headers=headers).status_code == 200
+    finally:
+        metrics.close()
+
+
+def test_a_server_without_keys_answers_only_loopback_json_requests(embedded_stack) -> None:
+    import httpx2 as httpx
+
+    from tests.worker.test_api import CHAT
+
+    keyless = ApiServer(embedded_stack.settings, insecure=True).start()
+    try:
+        url = f"{keyless.url}/v1/batches"
+        rebound = httpx.get(url, headers={"Host": "attacker.example:8000"})  # DNS rebinding
+        assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "forbidden_host"
+        page = httpx.post(url, headers={"Origin": "https://attacker.example"}, json={})  # a page's fetch
+        assert page.status_code == 403 and page.json()["error"]["code"] == "forbidden_origin"
+        blind = httpx.post(url, content=b'{"input_file_id": "file-x"}', headers={"Content-Type": "text/plain"})
+        assert blind.status_code == 415 and blind.json()["error"]["code"] == "unsupported_media_type"
+        form = httpx.post(url, data={"input_file_id": "file-x"})  # an HTML form's encoding
+        assert form.status_code == 415
+        # The SDK, on loopback, works as before.
+        client = keyless.client(None)
+        file_id = upload(client, batch_lines(1))
+        assert client.files.retrieve(file_id).id == file_id
+        assert httpx.get(f"http://localhost:{keyless.port}/healthz").status_code == 200
+        assert client.batches.list().data == [] and CHAT
+    finally:
+        keyless.stop()

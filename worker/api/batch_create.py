@@ -24,6 +24,7 @@ header makes a retried request find the batch it created.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,16 +57,28 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES) -> bytes:
-    """The request's body, refused with 413 past ``limit`` bytes (never held whole)."""
+async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES, seconds: float = 30.0) -> bytes:
+    """The request's body, refused with 413 past ``limit`` bytes (never held whole), and with
+    408 when it has not all come within ``seconds`` (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS)."""
     body = bytearray()
-    try:
+
+    async def read() -> None:
         async for chunk in request.stream():
-            body += chunk
+            body.extend(chunk)
             if len(body) > limit:
                 raise ApiError(413, f"The request body is larger than {limit} bytes.", headers={"Connection": "close"})
+
+    try:
+        await asyncio.wait_for(read(), seconds)
     except ClientDisconnect:
         raise bad_request("The client went away before the request body was read.") from None
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408,
+            f"The request body did not arrive within {seconds:g} s (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS).",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return bytes(body)
 
 

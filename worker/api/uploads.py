@@ -45,6 +45,7 @@ FLUSH_BYTES = 1 << 20
 DRAIN_BYTES = 64 << 20
 MAX_FIELD_BYTES = 64  # a form field other than the file (purpose, expires_after[...])
 MAX_FIELDS = 8
+MAX_PARTS = 16  # parts of any name (a million empty parts must not be read through one by one)
 MAX_HEADER_BYTES = 8192  # all the headers of one part
 MULTIPART_OVERHEAD = 64 << 10  # room in Content-Length for the form around the file
 
@@ -215,6 +216,7 @@ async def receive_upload(
     filename: str | None = None
     pending = bytearray()
     current: _Part | None = None
+    parts = 0
     done = False
     try:
         async for chunk in stream:
@@ -225,6 +227,9 @@ async def receive_upload(
             for kind, value in events.items:
                 if kind == "begin":
                     current = value
+                    parts += 1
+                    if parts > MAX_PARTS:
+                        raise bad_request(f"The form has more than {MAX_PARTS} parts.")
                     if current.name == "file":
                         if upload is not None:
                             raise bad_request("The form holds more than one file.", param="file")

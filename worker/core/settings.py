@@ -107,6 +107,13 @@ class Settings(BaseSettings):
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
     # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
     upload_idle_timeout_seconds: float = Field(60.0, gt=0)
+    # ``conveyor serve``'s connections: a request's headers must all arrive within this (from the
+    # connection's start, or the previous response), or the connection is closed.
+    http_header_timeout_seconds: float = Field(10.0, gt=0)
+    # A JSON request body (``POST /v1/batches``) must all arrive within this (408 otherwise).
+    http_body_timeout_seconds: float = Field(30.0, gt=0)
+    # An idle keep-alive connection is closed after this.
+    http_keep_alive_seconds: float = Field(5.0, gt=0)
     # How many of those uploads one API key may stream at once (one more is answered 429), so
     # one tenant cannot hold every slot.
     max_concurrent_uploads_per_key: int = Field(2, ge=1, le=1024)
@@ -220,6 +227,9 @@ class Settings(BaseSettings):
     # Job and shard counts are read from the database at most once per
     # ``metrics_cache_seconds`` per process, however often it is scraped.
     metrics_port: int = Field(0, ge=0, le=65535)
+    # When set, every ``/metrics`` (the API's and the workers') answers only a scraper sending
+    # ``Authorization: Bearer <this token>``; unset, they are open to whoever reaches the port.
+    metrics_token: str | None = Field(None, min_length=16)
     metrics_host: str = "0.0.0.0"
     metrics_cache_seconds: float = Field(5.0, ge=0)
 
