@@ -298,3 +298,18 @@ def test_reply_to_stays_within_the_operators_prefix(tmp_path) -> None:
     with pytest.raises(InvalidSubmission) as info:
         parse_submission([], fields(reply_to="billing-jobs"), settings)
     assert info.value.param == "reply_to" and info.value.reply_to is None  # nothing is published there
+
+
+def test_delayed_chained_and_oversized_messages_are_named() -> None:
+    """What the worker's checked request and the API server's submission consumer refuse."""
+    from worker.broker.envelope import size_problem
+
+    headers = {"id": "t", "task": "conveyor.submit_job"}
+    assert header_problem(headers) is None
+    assert "'eta' header" in (header_problem({**headers, "eta": "2030-01-01T00:00:00"}) or "")
+    assert "'expires' header" in (header_problem({**headers, "expires": "2030-01-01T00:00:00"}) or "")
+    assert body_problem([[], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]) is None
+    chained = body_problem([[], {}, {"callbacks": [{"task": "celery.accumulate"}], "chain": [{"task": "x"}]}])
+    assert chained is not None and "callbacks, chain" in chained
+    assert size_problem(b"x" * 100, 100) is None
+    assert "101 bytes, over the limit of 100" in (size_problem(b"x" * 101, 100) or "")
