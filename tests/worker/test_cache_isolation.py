@@ -76,3 +76,32 @@ def test_the_salt_names_the_owner_the_operator_or_the_job(tmp_path) -> None:
     assert cache_salt(operator, "job_1", None) == cache_salt(operator, "job_2", None) != "owner:ops"
     # Sharing across owners only where the operator asks for it.
     assert cache_salt(Settings(home=tmp_path), "batch_1", "key_a") is None
+
+
+def _cached_of(client, job_id: str) -> int:
+    (line,) = [json.loads(text) for text in client.results(job_id)]
+    return cached(line["response"]["body"]["usage"])
+
+
+def test_jobs_without_a_key_share_only_where_the_operator_says(embedded_stack, spawn_worker) -> None:
+    """``conveyor submit`` (and a broker producer) has no API key: each job is its own owner,
+    unless the operator names one salt for all of them (``CONVEYOR_UNOWNED_CACHE_SALT``)."""
+    from tests.worker.helpers import jsonl as to_jsonl
+    from worker.entrypoints.client import Client
+
+    line = {"custom_id": "pin", "method": "POST", "url": COMPLETIONS,
+            "body": {"prompt": template(PIN), "max_tokens": 2, "temperature": 0}}  # fmt: skip
+    for salt, expect_shared in (("", False), ("ops-team", True)):
+        stack = embedded_stack.with_values(
+            unowned_cache_salt=salt, queue_prefix=f"{embedded_stack.values['queue_prefix']}{len(salt)}"
+        )
+        worker = spawn_worker(stack)
+        worker.wait_ready()
+        client = Client(stack.settings)
+        first = client.wait(client.submit(to_jsonl([line]), stack.model)["id"], timeout=120)
+        second = client.wait(client.submit(to_jsonl([line]), stack.model)["id"], timeout=120)
+        assert first["status"] == second["status"] == "completed"
+        assert _cached_of(client, first["id"]) == 0
+        assert (_cached_of(client, second["id"]) > 0) is expect_shared, salt
+        client.close()
+        worker.stop()
