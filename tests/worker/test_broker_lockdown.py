@@ -108,3 +108,19 @@ def test_a_failed_attempt_is_sent_again_without_a_delay_header(embedded_stack, m
     assert message is not None and message.headers["task"] == RUN_SHARD
     assert message.headers.get("eta") is None and message.payload[0] == [job_id, 3]
     app.conveyor.close()
+
+
+def test_every_worker_starts_without_mingle_gossip_or_heartbeat(embedded_stack, monkeypatch) -> None:
+    """Also under plain ``celery -A worker.app worker``, whose command line may not say so."""
+    from celery.apps.worker import Worker
+
+    from worker.broker.app import create_app
+
+    seen: dict = {}
+    monkeypatch.setattr(Worker, "__init__", lambda self, *args, **kwargs: seen.update(kwargs))
+    settings = embedded_stack.settings
+    settings.ensure_home()
+    app = create_app(settings)
+    app.Worker(hostname="w@x", without_mingle=False, without_gossip=False)
+    assert (seen["without_mingle"], seen["without_gossip"], seen["without_heartbeat"]) == (True, True, True)
+    app.conveyor.close()
