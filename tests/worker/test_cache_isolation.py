@@ -75,7 +75,7 @@ def test_the_salt_names_the_owner_the_operator_or_the_job(tmp_path) -> None:
     operator = Settings(home=tmp_path, unowned_cache_salt="ops")
     assert cache_salt(operator, "job_1", None) == cache_salt(operator, "job_2", None) != "owner:ops"
     # Sharing across owners only where the operator asks for it.
-    assert cache_salt(Settings(home=tmp_path), "batch_1", "key_a") is None
+    assert cache_salt(Settings(home=tmp_path, cache_sharing="global"), "batch_1", "key_a") is None
 
 
 def _cached_of(client, job_id: str) -> int:
