@@ -5,7 +5,9 @@ handed out on demand as a request grows, and returned the moment it finishes.
 
 Prefix caching: a *full* block is keyed by a hash chained from its parent block's key and
 its own token ids (rooted in a namespace naming the model, so different models or adapters
-never share). A new request maps the longest cached prefix of its tokens onto existing
+never share, and in the request's ``cache_salt`` when it has one, so requests of different
+salts never share a block: a tenant cannot learn another's prompt from ``num_cached_tokens``
+or from timing). A new request maps the longest cached prefix of its tokens onto existing
 blocks (reference count +1, no recompute). A block whose count drops to zero goes to the
 tail of the free queue but keeps its key, so it stays findable until it is reused for
 something else: eviction is in LRU order, and a request's blocks are released tail first so
@@ -201,11 +203,16 @@ class KVCacheManager:
     # ---- prefix cache ---------------------------------------------------------------
     def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
         hashes, bs, tokens = req.block_hashes, self.block_size, req.token_ids
-        parent = hashes[-1] if hashes else self._root_hash
+        parent = hashes[-1] if hashes else self._root_of(req.params.cache_salt)
         for i in range(len(hashes), num_full_blocks):
             chunk = np.asarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes()
             parent = hashlib.sha256(parent + chunk).digest()
             hashes.append(parent)
+
+    def _root_of(self, salt: str | None) -> bytes:
+        if salt is None:
+            return self._root_hash
+        return hashlib.sha256(self._root_hash + b"salt\0" + salt.encode()).digest()
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``req``'s tokens: its blocks and token count.

@@ -16,6 +16,7 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (the worker allows OpenAI's 300 by default)
 MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_CACHE_SALT_CHARS = 256
 _GREEDY_EPS = 1e-5
 
 
@@ -62,6 +63,9 @@ class SamplingParams:
     stream: bool = True
     # Constrained decoding (JSON Schema, regex, choice, grammar); a dict of its fields is taken too.
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
+    # Prefix-cache isolation (vLLM's ``cache_salt``): mixed into the root of the request's block
+    # hash chain, so it reuses cached blocks only of requests with the same salt (None: unsalted).
+    cache_salt: str | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,12 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+            if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+                raise ValueError(f"cache_salt has {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+            check_text(self.cache_salt, "cache_salt")
 
     @property
     def greedy(self) -> bool:

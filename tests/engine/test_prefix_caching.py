@@ -45,6 +45,29 @@ def test_cache_hits_keep_outputs_exact(family, tiny_models, hf_reference, make_l
     assert stats.prefix_cache_hits > 0 and 0 < stats.prefix_cache_hit_rate < 1
 
 
+def test_cache_salts_separate_the_prefix_cache_and_equal_salts_share_it(tiny_models, hf_reference, make_llm):
+    path = tiny_models("llama")
+    hf = hf_reference(path)
+    llm = make_llm(path, block_size=4)
+    first, second = SYSTEM + SUFFIXES[0], SYSTEM + SUFFIXES[1]
+    runs = [  # one at a time, in this order
+        (first, "tenant-a"), (first, "tenant-b"), (first, None),  # another salt, and none, find nothing
+        (first, "tenant-a"), (second, "tenant-a"), (second, "tenant-b"),  # each salt finds its own
+    ]  # fmt: skip
+    outs = []
+    for prompt, salt in runs:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, cache_salt=salt)
+        outs += llm.generate([prompt], params)
+    whole = (len(hf.encode(first)) - 1) // 4 * 4  # every full block but the one holding the last token
+    system = len(hf.encode(SYSTEM)) // 4 * 4 - 4  # the system prompt's full blocks, but the one it ends in
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[:4] == [0, 0, 0, whole]
+    assert cached[4] >= system and cached[5] >= system  # tenant-b's own earlier run of ``first``
+    assert_outputs_match(hf, [p for p, _ in runs], [12] * len(runs), outs)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        SamplingParams(cache_salt="")
+
+
 def test_eviction_under_memory_pressure_keeps_outputs_exact(tiny_models, hf_reference, make_llm):
     path = tiny_models("llama")
     hf = hf_reference(path)

@@ -12,6 +12,7 @@ import openai
 import uvicorn
 
 from worker.api.app import create_app
+from worker.api.http_server import uvicorn_options
 from worker.core.settings import Settings
 from worker.store.api_keys import create_key
 from worker.store.database import create_db_engine
@@ -31,7 +32,9 @@ class ApiServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(settings, insecure=insecure)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", **uvicorn_options(settings)
+        )  # as ``conveyor serve`` runs it
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
 

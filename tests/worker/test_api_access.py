@@ -105,8 +105,8 @@ def test_a_missing_wrong_or_revoked_key_gets_401(server, env, embedded_stack, ca
     wait_for(refused, 5, "the revoked key to be refused (a server may take it for 2 s more)")
     # No key is needed for the probes.
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
-    ready = httpx.get(f"{server.url}/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok", "storage": "ok"}
+    ready = httpx.get(f"{server.url}/readyz")  # terse without a key: the checks may name hosts and ports
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     capsys.readouterr()
 
 

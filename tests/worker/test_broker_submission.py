@@ -253,14 +253,14 @@ def test_a_cancel_or_an_expiry_is_announced_too(pg_redis_s3_stack, spawn_worker)
     """Jobs that end outside a worker's task: cancelled from the client (the periodic pass
     announces it), expired by a worker's expiry thread. Their model is served by no worker,
     so they never run; any worker ingests them."""
-    stack = pg_redis_s3_stack.with_values(min_completion_window_seconds=1)
+    unserved = "conveyor-test/nobody-serves-this"  # declared in the catalog, served by no worker
+    stack = pg_redis_s3_stack.with_values(min_completion_window_seconds=1, models=[unserved])
     prefix = stack.values["queue_prefix"]
     client = Client(stack.settings)
     uri = upload(client, openai_lines(3))
     example = load_example()
     worker = spawn_worker(stack)
     worker.wait_ready()
-    unserved = "conveyor-test/nobody-serves-this"
     with producer(stack) as conn, reply_queue(conn) as replies:
         base = {"input_uri": uri, "model": unserved, "reply_to": replies}
         example.submit(conn, {**base, "idempotency_key": "to-cancel"}, prefix)

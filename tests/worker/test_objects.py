@@ -136,3 +136,19 @@ def test_open_store_from_urls(tmp_path, s3_bucket: str) -> None:
     assert "pw" not in str(info.value)
     with pytest.raises(ValueError, match="at least"):
         S3Store(s3_bucket, part_size=1024, client=object())
+
+
+def test_local_store_refuses_a_symlink_inside_it_too(tmp_path) -> None:
+    """A link from an input's key to a job's objects would get around the refusal of
+    ``jobs/...`` keys, which is made on the key: every key must resolve to itself."""
+    store = LocalStore(tmp_path / "root")
+    store.put_bytes("jobs/batch_1/results.jsonl", b"another tenant's results")
+    (tmp_path / "root" / "inputs").mkdir()
+    (tmp_path / "root" / "inputs" / "link.jsonl").symlink_to(tmp_path / "root" / "jobs" / "batch_1" / "results.jsonl")
+    (tmp_path / "root" / "dir").symlink_to(tmp_path / "root" / "jobs")
+    for key in ("inputs/link.jsonl", "dir/batch_1/results.jsonl"):
+        with pytest.raises(InvalidKey, match="passes through a symbolic link"):
+            store.open_read(key)
+        with pytest.raises(InvalidKey):
+            store.key_of((tmp_path / "root").as_uri() + "/" + key)
+    assert store.open_read("jobs/batch_1/results.jsonl").read() == b"another tenant's results"

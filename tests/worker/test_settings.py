@@ -78,3 +78,14 @@ def test_inconsistent_settings_are_refused_naming_the_variables(monkeypatch: pyt
 )
 def test_redact_url(url: str, expected: str) -> None:
     assert redact_url(url) == expected
+
+
+def test_the_embedded_home_is_its_users_only(tmp_path) -> None:
+    from worker.store.database import create_db_engine
+
+    s = Settings(home=tmp_path / "home")
+    assert (s.ensure_home().stat().st_mode & 0o777) == 0o700
+    # Whoever creates it first: the embedded database's directory is made the same way.
+    other = Settings(home=tmp_path / "other")
+    create_db_engine(other.database).dispose()
+    assert ((tmp_path / "other").stat().st_mode & 0o777) == 0o700

@@ -30,7 +30,7 @@ def test_the_api_takes_a_submission_twice_sent_as_one_job_while_no_worker_runs(
     request: pytest.FixtureRequest, stack_name: str
 ) -> None:
     stack: Stack = request.getfixturevalue(stack_name)
-    stack = stack.with_values(metrics_cache_seconds=0.0)
+    stack = stack.with_values(metrics_cache_seconds=0.0, models=[stack.model])  # declared: taken with no worker
     settings = stack.settings
     prefix = settings.queue_prefix
     server = ApiServer(settings).start()

@@ -56,10 +56,11 @@ def test_a_full_submission_parses(settings) -> None:
         (fields(input_uri=42), "input_uri", "input_uri must be a URI"),
         (fields(input_uri="s3://b/" + "x" * 3000), "input_uri", "1 to 2048"),
         (fields(input_uri="s3://b/a\nb"), "input_uri", "printable"),
-        (fields(model=""), "model", "the model must be a hub id"),
+        (fields(model=""), "model", "is not one this deployment serves"),
         (fields(model=None), "model", "model is required"),
-        (fields(model="no such/dir/here"), "model", "not a local directory nor a hub id"),
-        (fields(model=["m"]), "model", "hub id"),
+        (fields(model="no such/dir/here"), "model", "is not one this deployment serves"),
+        (fields(model=["m"]), "model", "is not one this deployment serves"),
+        (fields(metadata={"k": "a\x00b"}), "metadata", "must not contain NUL"),
         (fields(priority=True), "priority", "priority must be an integer"),
         (fields(priority=-1), "priority", "from 0 to 1000"),
         (fields(shard_size=0), "shard_size", "from 1 to 10000"),
@@ -169,6 +170,7 @@ def local(tmp_path, settings):
 
 def test_a_worker_takes_a_message_once_per_key(local, settings, tiny_model) -> None:
     db, store = local
+    settings = settings.model_copy(update={"models": (tiny_model,)})  # the catalog's
     store.put_bytes("inputs/rows.txt", b"prompt,max_tokens\nHello there,4\n")  # CSV, whatever its name
     intakes: list[str] = []
     announced: list[str] = []
@@ -196,6 +198,7 @@ def test_a_worker_takes_a_message_once_per_key(local, settings, tiny_model) -> N
 
 def test_a_key_reused_for_another_submission_is_refused_and_changes_nothing(local, settings, tiny_model) -> None:
     db, store = local
+    settings = settings.model_copy(update={"models": (tiny_model,)})  # the catalog's
     store.put_bytes("inputs/a.jsonl", jsonl(openai_lines(1)))
     store.put_bytes("inputs/b.jsonl", jsonl(openai_lines(2)))
     intakes: list[str] = []
@@ -227,6 +230,7 @@ def test_a_key_reused_for_another_submission_is_refused_and_changes_nothing(loca
 
 def test_the_input_format_comes_from_the_object(local, settings, tiny_model) -> None:
     db, store = local
+    settings = settings.model_copy(update={"models": (tiny_model,)})  # the catalog's
     store.put_bytes("in/batch.csv", jsonl(openai_lines(1)))  # JSONL despite its name
     store.put_bytes("in/table", b"PAR1" + b"\0" * 16)
     for key, expected in (("in/batch.csv", "jsonl"), ("in/table", "parquet")):
@@ -237,3 +241,75 @@ def test_the_input_format_comes_from_the_object(local, settings, tiny_model) -> 
         with db.connect() as conn:
             fmt = conn.execute(select(Job.input_format).where(Job.id == out["job_id"])).scalar_one()
         assert fmt == expected, key
+
+
+def test_a_producer_cannot_take_an_http_idempotency_key(settings) -> None:
+    """The HTTP API stores ``api:<owner>:<key>``; a broker key in that namespace is refused and,
+    having no valid key, recorded under none (the tenant's key stays free)."""
+    with pytest.raises(InvalidSubmission, match="must not start with 'api:'") as info:
+        parse_submission([], fields(idempotency_key="api:key_1:nightly"), settings)
+    assert info.value.param == "idempotency_key" and info.value.idempotency_key is None
+
+
+def test_only_models_the_deployment_serves_are_taken_and_paths_tell_nothing(local, settings, tiny_model) -> None:
+    db, store = local
+    store.put_bytes("inputs/a.jsonl", jsonl(openai_lines(1)))
+    intakes: list[str] = []
+    answers = {}
+    for key, model in {"dir": "/etc", "missing": "/no/such/dir", "hub": "org/never-served", "bad": "a\x00b"}.items():
+        msg = {"input_uri": store.uri("inputs/a.jsonl"), "model": model, "idempotency_key": key}
+        answers[key] = handle_submission(
+            db, store, settings, [], msg, enqueue_intake=intakes.append, announce=lambda job_id: None
+        )
+    for key, model in {"dir": "/etc", "missing": "/no/such/dir", "hub": "org/never-served"}.items():
+        assert answers[key]["status"] == "failed"
+        assert answers[key]["refused"] == (
+            f"model {model!r} is not one this deployment serves "
+            "(declared in CONVEYOR_MODELS, or served by a worker under that name)"
+        )
+    assert answers["bad"]["status"] == "failed" and "not one this deployment serves" in answers["bad"]["refused"]
+    assert intakes == []  # no intake, so no shard and no queue for any of those names
+    with db.connect() as conn:
+        assert conn.execute(select(Job.status).where(Job.status != "failed")).all() == []
+    served = settings.model_copy(update={"models": (tiny_model,)})
+    msg = {"input_uri": store.uri("inputs/a.jsonl"), "model": tiny_model, "idempotency_key": "ok"}
+    ok = handle_submission(db, store, served, [], msg, enqueue_intake=intakes.append, announce=lambda job_id: None)
+    assert ok["status"] == "validating" and intakes == [ok["job_id"]]
+
+
+def test_a_refusal_naming_a_nul_is_still_recorded(db_engine, settings) -> None:
+    """PostgreSQL refuses NUL in text and JSONB: a refused submission whose model, message or
+    metadata holds one is still recorded (and so announced), not lost."""
+    job, created = record_refusal(
+        db_engine, settings, idempotency_key="nul", code="invalid_submission",
+        message="unknown field(s) a\x00b", param="a\x00b", model="m\x00", metadata={"k": "v\x00"},
+    )  # fmt: skip
+    assert created and job["status"] == "failed" and job["metadata"] is None
+    assert job["errors"]["data"][0]["message"] == "unknown field(s) a\ufffdb"
+
+
+def test_reply_to_stays_within_the_operators_prefix(tmp_path) -> None:
+    assert check_reply_to("billing-jobs", "cv") == {"queue": "billing-jobs"}  # no prefix set: any foreign name
+    assert check_reply_to("replies.nightly", "cv", "replies.") == {"queue": "replies.nightly"}
+    for value in ("billing-jobs", {"exchange": "billing"}, "replies"):
+        with pytest.raises(ValueError, match=r"must start with 'replies\.' \(CONVEYOR_REPLY_TO_PREFIX\)"):
+            check_reply_to(value, "cv", "replies.")
+    settings = Settings(home=tmp_path, queue_prefix="cv", reply_to_prefix="replies.")
+    with pytest.raises(InvalidSubmission) as info:
+        parse_submission([], fields(reply_to="billing-jobs"), settings)
+    assert info.value.param == "reply_to" and info.value.reply_to is None  # nothing is published there
+
+
+def test_delayed_chained_and_oversized_messages_are_named() -> None:
+    """What the worker's checked request and the API server's submission consumer refuse."""
+    from worker.broker.envelope import size_problem
+
+    headers = {"id": "t", "task": "conveyor.submit_job"}
+    assert header_problem(headers) is None
+    assert "'eta' header" in (header_problem({**headers, "eta": "2030-01-01T00:00:00"}) or "")
+    assert "'expires' header" in (header_problem({**headers, "expires": "2030-01-01T00:00:00"}) or "")
+    assert body_problem([[], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]) is None
+    chained = body_problem([[], {}, {"callbacks": [{"task": "celery.accumulate"}], "chain": [{"task": "x"}]}])
+    assert chained is not None and "callbacks, chain" in chained
+    assert size_problem(b"x" * 100, 100) is None
+    assert "101 bytes, over the limit of 100" in (size_problem(b"x" * 101, 100) or "")

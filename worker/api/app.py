@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI
 
 from worker.api import health, routes_batches, routes_files, routes_models
 from worker.api.errors import install_error_handlers
+from worker.api.insecure_guard import InsecureGuard
 from worker.api.metrics_route import metrics_router
 from worker.api.services import ApiServices
 from worker.broker.announce import Announcer
@@ -86,4 +87,6 @@ def create_app(
     app.include_router(metrics_router(metrics))
     for router in extra_routers:
         app.include_router(router)
+    if services.insecure:
+        app.add_middleware(InsecureGuard)
     return app

@@ -24,6 +24,7 @@ header makes a retried request find the batch it created.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,7 +40,7 @@ from worker.core.settings import Settings
 from worker.jobs.catalog import catalog
 from worker.jobs.files import BATCH, FileNotFound, get_file_info
 from worker.jobs.owned_jobs import fail_unqueued
-from worker.jobs.submission import SubmitOptions, check_metadata, create_job, job_with_key
+from worker.jobs.submission import SubmitOptions, check_metadata, create_job, http_idempotency_key, job_with_key
 
 MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
 MAX_IDEMPOTENCY_KEY_CHARS = 128
@@ -56,16 +57,28 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES) -> bytes:
-    """The request's body, refused with 413 past ``limit`` bytes (never held whole)."""
+async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES, seconds: float = 30.0) -> bytes:
+    """The request's body, refused with 413 past ``limit`` bytes (never held whole), and with
+    408 when it has not all come within ``seconds`` (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS)."""
     body = bytearray()
-    try:
+
+    async def read() -> None:
         async for chunk in request.stream():
-            body += chunk
+            body.extend(chunk)
             if len(body) > limit:
                 raise ApiError(413, f"The request body is larger than {limit} bytes.", headers={"Connection": "close"})
+
+    try:
+        await asyncio.wait_for(read(), seconds)
     except ClientDisconnect:
         raise bad_request("The client went away before the request body was read.") from None
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408,
+            f"The request body did not arrive within {seconds:g} s (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS).",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return bytes(body)
 
 
@@ -141,7 +154,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     if idempotency is not None:
         if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
             raise bad_request(f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters.")
-        key = f"api:{owner or '-'}:{idempotency}"  # one owner's key never finds another's batch
+        key = http_idempotency_key(owner, idempotency)
         existing = job_with_key(db, key)
         if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
             return _same_request(existing, req, metadata)

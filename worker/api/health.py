@@ -1,5 +1,7 @@
 """``/healthz`` (the process answers) and ``/readyz`` (the database, the broker and the object
 store can be reached now). Neither needs a key: a load balancer or Kubernetes probes them.
+Without a key ``/readyz`` says only ``ready`` or ``unavailable``; each check's answer (which
+can name a service's host and port) is for a caller with a valid API key.
 
 ``/readyz`` runs its three checks in threads, each bounded in time, and keeps the answer for
 ``READY_CACHE_SECONDS`` so a storm of probes costs one round of checks.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
@@ -55,8 +57,18 @@ async def _check(services: ApiServices, name: str) -> str:
     return "ok"
 
 
+async def _may_see_detail(request: Request, services: ApiServices) -> bool:
+    if services.insecure:
+        return True
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return False
+    key = key.strip()
+    return (services.verifier.cached(key) or await run_in_threadpool(services.verifier.verify, key)) is not None
+
+
 @router.get("/readyz")
-async def readyz(services: Services) -> JSONResponse:
+async def readyz(request: Request, services: Services) -> JSONResponse:
     cached = services.ready
     if cached is None or time.monotonic() - cached[0] > READY_CACHE_SECONDS:
         names = list(_CHECKS)
@@ -66,4 +78,5 @@ async def readyz(services: Services) -> JSONResponse:
         cached = (time.monotonic(), {"status": "ready" if ready else "unavailable", "checks": checks})
         services.ready = cached
     body = cached[1]
-    return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
+    status = 200 if body["status"] == "ready" else 503
+    return JSONResponse(body if await _may_see_detail(request, services) else {"status": body["status"]}, status)

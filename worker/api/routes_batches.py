@@ -37,7 +37,7 @@ def api_batch(obj: dict[str, Any]) -> dict[str, Any]:
 
 @router.post("")
 async def create_batch_route(request: Request, owner: Caller, services: Services) -> dict[str, Any]:
-    req = parse_body(await read_json_body(request))
+    req = parse_body(await read_json_body(request, seconds=services.settings.http_body_timeout_seconds))
     idempotency = request.headers.get("idempotency-key")
     return api_batch(await run_in_threadpool(create_batch, services, owner.id, req, idempotency))
 

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from worker.api.auth import Caller
 from worker.api.errors import ApiError
 from worker.api.services import Services
-from worker.api.uploads import check_declared_length, drain, receive_upload
+from worker.api.uploads import Pace, check_declared_length, drain, receive_upload
 from worker.jobs.files import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -33,8 +33,18 @@ router = APIRouter(prefix="/v1/files", tags=["files"])
 @router.post("")
 async def create_file(request: Request, owner: Caller, services: Services) -> dict[str, Any]:
     settings = services.settings
+    # Answered at once, body unread (the connection is closed after): a client announcing too
+    # much may be waiting for this answer before it sends anything (``Expect: 100-continue``).
+    check_declared_length(request, settings.max_upload_bytes)
+    mine = services.uploads_by_owner.get(owner.id, 0)
     try:
-        check_declared_length(request, settings.max_upload_bytes)
+        if mine >= settings.max_concurrent_uploads_per_key:
+            raise ApiError(
+                429,
+                f"This key is uploading {mine} files at once already (CONVEYOR_MAX_CONCURRENT_UPLOADS_PER_KEY); "
+                "retry when one has finished.",
+                headers={"Retry-After": "1"},
+            )
         if services.uploads.locked():
             raise ApiError(
                 429,
@@ -45,22 +55,26 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
     except ApiError:
         await drain(request.stream())
         raise
-    async with services.uploads:
-        upload, form = await receive_upload(
-            request,
-            services.store,
-            max_bytes=settings.max_upload_bytes,
-            max_line_bytes=settings.max_line_bytes,
-            idle_seconds=settings.upload_idle_timeout_seconds,
-        )
-        return await run_in_threadpool(
-            upload.commit,
-            services.db,
-            owner=owner.id,
-            purpose=form.purpose,
-            filename=form.filename,
-            expires_after=form.expires_after,
-        )
+    pace = Pace(settings.upload_idle_timeout_seconds, settings.upload_min_bytes_per_second, settings.upload_max_seconds)
+    services.uploads_by_owner[owner.id] = mine + 1
+    try:
+        async with services.uploads:
+            upload, form = await receive_upload(
+                request, services.store, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes,
+                pace=pace,
+            )  # fmt: skip
+            return await run_in_threadpool(
+                upload.commit,
+                services.db,
+                owner=owner.id,
+                purpose=form.purpose,
+                filename=form.filename,
+                expires_after=form.expires_after,
+            )
+    finally:
+        left = services.uploads_by_owner.pop(owner.id, 1) - 1
+        if left:
+            services.uploads_by_owner[owner.id] = left
 
 
 @router.get("")

@@ -35,6 +35,7 @@ class ApiServices:
     started_at: float = field(default_factory=time.time)
     verifier: KeyVerifier = field(init=False)
     uploads: asyncio.Semaphore = field(init=False)
+    uploads_by_owner: dict[str | None, int] = field(default_factory=dict)  # uploads streaming now, per key
     _broker: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

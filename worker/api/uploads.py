@@ -45,6 +45,7 @@ FLUSH_BYTES = 1 << 20
 DRAIN_BYTES = 64 << 20
 MAX_FIELD_BYTES = 64  # a form field other than the file (purpose, expires_after[...])
 MAX_FIELDS = 8
+MAX_PARTS = 16  # parts of any name (a million empty parts must not be read through one by one)
 MAX_HEADER_BYTES = 8192  # all the headers of one part
 MULTIPART_OVERHEAD = 64 << 10  # room in Content-Length for the form around the file
 
@@ -120,21 +121,45 @@ class UploadForm:
     expires_after: int | None
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How slow an upload may be: no gap over ``idle_seconds``; once it has run that long, an
+    average of at least ``min_bytes_per_second``; ``max_seconds`` in all."""
+
+    idle_seconds: float
+    min_bytes_per_second: int = 0
+    max_seconds: float = float("inf")
+
+
 class UploadStalled(Exception):
-    """The client sent nothing for the idle timeout in the middle of a body."""
+    """The client sent too slowly (the message says how) in the middle of a body."""
 
 
-async def _paced(stream: AsyncIterator[bytes], idle_seconds: float) -> AsyncIterator[bytes]:
-    """``stream``'s chunks, each within ``idle_seconds`` of the last: a client that stops
-    sending mid-body (a dead peer, a slow-loris) does not hold an upload slot forever."""
+async def _paced(stream: AsyncIterator[bytes], pace: Pace) -> AsyncIterator[bytes]:
+    """``stream``'s chunks at ``pace``: a client that stops sending mid-body, or trickles a
+    byte every few seconds (a dead peer, a slow-loris), does not hold an upload slot."""
     chunks = stream.__aiter__()
+    loop = asyncio.get_running_loop()
+    start, seen = loop.time(), 0
     while True:
+        left = start + pace.max_seconds - loop.time()
         try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), idle_seconds)
+            chunk = await asyncio.wait_for(chunks.__anext__(), min(pace.idle_seconds, max(left, 0.0)))
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:
-            raise UploadStalled() from None
+            if left <= pace.idle_seconds:
+                raise UploadStalled(f"it took over {pace.max_seconds:.0f} s (CONVEYOR_UPLOAD_MAX_SECONDS)") from None
+            raise UploadStalled(
+                f"no data for {pace.idle_seconds:.0f} s (CONVEYOR_UPLOAD_IDLE_TIMEOUT_SECONDS)"
+            ) from None
+        seen += len(chunk)
+        elapsed = loop.time() - start
+        if elapsed >= pace.idle_seconds and seen < pace.min_bytes_per_second * elapsed:
+            raise UploadStalled(
+                f"{seen / elapsed:.0f} bytes/s on average, under {pace.min_bytes_per_second} "
+                "(CONVEYOR_UPLOAD_MIN_BYTES_PER_SECOND)"
+            )
         yield chunk
 
 
@@ -177,20 +202,21 @@ def check_declared_length(request: Request, max_bytes: int) -> None:
 
 
 async def receive_upload(
-    request: Request, store: ObjectStore, *, max_bytes: int, max_line_bytes: int, idle_seconds: float
+    request: Request, store: ObjectStore, *, max_bytes: int, max_line_bytes: int, pace: Pace
 ) -> tuple[FileUpload, UploadForm]:
     """Stream the form's file into the store; the upload (to ``commit``) and the form's fields.
     An ``ApiError`` after the upload was aborted and the body drained (a 408, not drained,
-    when the client sent nothing for ``idle_seconds``)."""
+    when the client sent slower than ``pace``)."""
     boundary = _boundary(request)
     events = _Events()
     parser = MultipartParser(boundary, events.callbacks())
-    stream = _paced(request.stream(), idle_seconds)
+    stream = _paced(request.stream(), pace)
     upload: FileUpload | None = None
     fields: dict[str, str] = {}
     filename: str | None = None
     pending = bytearray()
     current: _Part | None = None
+    parts = 0
     done = False
     try:
         async for chunk in stream:
@@ -201,6 +227,9 @@ async def receive_upload(
             for kind, value in events.items:
                 if kind == "begin":
                     current = value
+                    parts += 1
+                    if parts > MAX_PARTS:
+                        raise bad_request(f"The form has more than {MAX_PARTS} parts.")
                     if current.name == "file":
                         if upload is not None:
                             raise bad_request("The form holds more than one file.", param="file")
@@ -244,13 +273,12 @@ async def receive_upload(
     except FileTooLarge:
         await drain(stream)
         raise too_large(max_bytes) from None
-    except UploadStalled:
+    except UploadStalled as exc:
         if upload is not None:
             await run_in_threadpool(upload.abort)
         raise ApiError(
             408,
-            f"The upload stalled: no data for {idle_seconds:.0f} s (CONVEYOR_UPLOAD_IDLE_TIMEOUT_SECONDS); "
-            "nothing was kept.",
+            f"The upload was too slow: {exc}; nothing was kept.",
             code="upload_timeout",
             headers={"Connection": "close"},
         ) from None

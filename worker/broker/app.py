@@ -10,11 +10,13 @@ consumes anything, loads the model once per process, and runs two background thr
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
 from worker.broker.app_state import AppState
 from worker.broker.config import celery_app
-from worker.broker.queues import DEFAULT_QUEUE, queue_name
+from worker.broker.queues import CONVEYOR_TASKS, DEFAULT_QUEUE, queue_name
 from worker.broker.tasks import register_tasks
 from worker.broker.worker_process import add_consumer_steps, connect_signals
 from worker.core.settings import Settings, get_settings
@@ -32,6 +34,32 @@ def create_app(settings: Settings | None = None, model: str | None = None) -> Ce
     app = celery_app(settings, queue)
     app.conveyor = AppState(settings, canonical, queue)
     register_tasks(app)
+    drop_foreign_tasks(app)
+    close_broadcasts(app)
     add_consumer_steps(app)
     connect_signals()
     return app
+
+
+def drop_foreign_tasks(app: Celery) -> None:
+    """Unregister every task but Conveyor's: Celery's built-ins (``celery.accumulate``,
+    ``celery.map``, ``celery.chord_unlock``...) would run for anyone who may publish a job. A
+    message naming one is then refused as an unregistered task (logged, not requeued)."""
+    app.finalize(auto=True)
+    for name in [name for name in app.tasks if not name.startswith(CONVEYOR_TASKS)]:
+        app.tasks.unregister(name)
+
+
+def close_broadcasts(app: Celery) -> None:
+    """Start every worker of ``app`` without mingle, gossip and heartbeat events, whatever the
+    command line (``conveyor worker`` or plain ``celery -A worker.app worker``): they listen and
+    send on broadcast exchanges any broker user may write to (mingle would take a list of
+    revoked task ids from whoever answers), and Conveyor needs none of them."""
+    base = app.Worker
+
+    class Worker(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(without_mingle=True, without_gossip=True, without_heartbeat=True)
+            super().__init__(*args, **kwargs)
+
+    app.Worker = Worker

@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import Celery
 
+from worker.broker.envelope import MAX_BYTES_OPTION
 from worker.broker.queues import intake_queue_name, model_queue, submit_queue_name
 from worker.core.settings import Settings
 
@@ -53,5 +54,11 @@ def celery_app(settings: Settings, queue: str) -> Celery:
         ],
         worker_hijack_root_logger=True,
         worker_log_color=False,
+        # Whoever may publish a job must not steer the fleet: no remote control (shutdown,
+        # cancel_consumer, inspect, ping), no events to read or forge.
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        **{MAX_BYTES_OPTION: settings.max_message_bytes},
     )
     return app

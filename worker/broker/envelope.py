@@ -8,6 +8,12 @@ to producers outside Conveyor, so every Conveyor task reads its messages through
 ``CheckedRequest``: it turns such a message into Celery's ``InvalidTaskError``, which Celery
 logs and rejects (the message is dropped, or dead-lettered where the queue has a
 dead-letter exchange) before it goes on with the next one.
+
+The same check keeps the worker to running jobs and nothing else: a message over
+``CONVEYOR_MAX_MESSAGE_BYTES``, one with an ``eta``/``countdown`` (Celery would hold it in the
+worker's memory until then, however many come) or an ``expires``, and one whose embed asks
+for callbacks, errbacks, a chain or a chord (the worker would send further messages for a
+publisher) are refused the same way. Conveyor itself sends none of these.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.request import Request
 
 REQUEST = "worker.broker.envelope:CheckedRequest"  # what a task's ``Request`` option names
+MAX_BYTES_OPTION = "conveyor_max_message_bytes"  # the app's conf key holding the size limit
 
 
 def header_problem(headers: Any) -> str | None:
@@ -37,6 +44,9 @@ def header_problem(headers: Any) -> str | None:
     retries = headers.get("retries", 0)
     if isinstance(retries, bool) or not isinstance(retries, int):
         return "its 'retries' header is not an integer"
+    for name in ("eta", "expires"):
+        if headers.get(name) is not None:
+            return f"it has an '{name}' header (Conveyor's queues take no delayed or expiring messages)"
     return None
 
 
@@ -51,6 +61,17 @@ def body_problem(payload: Any) -> str | None:
         return "its kwargs are not an object"
     if embed is not None and not isinstance(embed, dict):
         return "its embed (callbacks, errbacks, chain, chord) is not an object"
+    asked = sorted(name for name, value in (embed or {}).items() if value)
+    if asked:
+        return f"its embed asks for {', '.join(asked)} (Conveyor's tasks take no callbacks, chains or chords)"
+    return None
+
+
+def size_problem(body: Any, limit: int | None) -> str | None:
+    """What is wrong with the size of a message's raw body (None when nothing is)."""
+    size = len(body) if isinstance(body, (bytes, bytearray, str, memoryview)) else 0
+    if limit is not None and size > limit:
+        return f"its body is {size} bytes, over the limit of {limit} (CONVEYOR_MAX_MESSAGE_BYTES)"
     return None
 
 
@@ -60,7 +81,9 @@ class CheckedRequest(Request):
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         headers = message.headers if kwargs.get("headers") is None else kwargs["headers"]
         payload = kwargs.get("body") if kwargs.get("decoded") else message.payload  # (a DecodeError: Celery's)
-        problem = header_problem(headers) or body_problem(payload)
+        task = kwargs.get("task")
+        limit = getattr(task.app.conf, MAX_BYTES_OPTION, None) if task is not None else None
+        problem = size_problem(message.body, limit) or header_problem(headers) or body_problem(payload)
         if problem is not None:
             raise InvalidTaskError(f"malformed task message: {problem}")
         try:

@@ -21,6 +21,7 @@ from worker.jobs.model_names import model_slug
 
 log = logging.getLogger(__name__)
 
+CONVEYOR_TASKS = "conveyor."  # the prefix of every task a worker runs: no other is registered
 RUN_SHARD = "conveyor.run_shard"
 FINALIZE_JOB = "conveyor.finalize_job"
 INGEST_JOB = "conveyor.ingest_job"

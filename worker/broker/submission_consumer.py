@@ -29,7 +29,7 @@ from celery import Celery
 from sqlalchemy.engine import Engine
 
 from worker.broker.announce import Announcer
-from worker.broker.envelope import body_problem, header_problem
+from worker.broker.envelope import body_problem, header_problem, size_problem
 from worker.broker.queues import SUBMIT_JOB, enqueue_intake, model_queue, submit_queue_name
 from worker.broker.submissions import IntakeNotSent, handle_submission, intake_sender
 from worker.core.settings import Settings
@@ -101,7 +101,10 @@ class SubmissionConsumer:
         return Verdict.ack
 
     def _on_message(self, body: Any, message: Any) -> None:
-        verdict = self.take(message.headers, body)
+        too_big = size_problem(message.body, self.settings.max_message_bytes)
+        if too_big is not None:
+            log.error("submissions: dropped a message on %s: %s", self.queue, too_big)
+        verdict = Verdict.reject if too_big is not None else self.take(message.headers, body)
         if verdict is Verdict.ack:
             message.ack()
             self.taken += 1

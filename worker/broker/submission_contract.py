@@ -47,8 +47,9 @@ from typing import Any
 from worker.batchio.records import InputFormat
 from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
-from worker.jobs.model_names import canonical_model
-from worker.jobs.submission import check_metadata
+from worker.jobs.catalog import not_served
+from worker.jobs.model_names import InvalidModel, canonical_model
+from worker.jobs.submission import HTTP_KEY_NAMESPACE, check_metadata
 from worker.store.models import IDEMPOTENCY_KEY_LEN, URI_LEN
 
 REQUIRED = ("input_uri", "model", "idempotency_key")
@@ -100,11 +101,13 @@ def _reserved(name: str, queue_prefix: str) -> bool:
     return name.startswith("amq.") or name == queue_prefix or name.startswith((f"{queue_prefix}-", f"{queue_prefix}."))
 
 
-def check_reply_to(value: Any, queue_prefix: str) -> dict[str, Any]:
+def check_reply_to(value: Any, queue_prefix: str, allowed_prefix: str = "") -> dict[str, Any]:
     """A reply target, normalised to ``{"queue": name}`` or ``{"exchange": name, "type": t,
     "routing_key": key}``; ``ValueError`` saying what is wrong. Names are 1 to 200 letters,
     digits, ``_ . : -``; a routing key up to 255 of those and ``# *``. Conveyor's own queues
-    (names starting with ``<CONVEYOR_QUEUE_PREFIX>-``) and ``amq.*`` are refused."""
+    (names starting with ``<CONVEYOR_QUEUE_PREFIX>-``) and ``amq.*`` are refused, and with an
+    ``allowed_prefix`` (``CONVEYOR_REPLY_TO_PREFIX``) every name not starting with it, so a
+    producer cannot have announcements published into another application's queue."""
     if isinstance(value, str):
         value = {"queue": value}
     if not isinstance(value, dict):
@@ -128,6 +131,8 @@ def check_reply_to(value: Any, queue_prefix: str) -> dict[str, Any]:
         raise ValueError(f"reply_to {kind} must be 1 to 200 letters, digits, '_', '.', ':' or '-', got {name!r:.80}")
     if _reserved(name, queue_prefix):
         raise ValueError(f"reply_to {kind} {name!r} is reserved (amq.* or one of Conveyor's own, {queue_prefix}-*)")
+    if not name.startswith(allowed_prefix):
+        raise ValueError(f"reply_to {kind} {name!r} must start with {allowed_prefix!r} (CONVEYOR_REPLY_TO_PREFIX)")
     if kind == "queue":
         return {"queue": name}
     routing_key = value.get("routing_key", "")
@@ -148,6 +153,8 @@ def check_idempotency_key(value: Any) -> str:
             f"idempotency_key must be a string of 1 to {IDEMPOTENCY_KEY_LEN} printable ASCII characters, "
             f"got {value!r:.80}"
         )
+    if value.startswith(HTTP_KEY_NAMESPACE):  # the HTTP API's: a producer must not take a tenant's key
+        raise ValueError(f"idempotency_key must not start with {HTTP_KEY_NAMESPACE!r} (the HTTP API's keys)")
     return value
 
 
@@ -181,7 +188,9 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
         raise InvalidSubmission(str(exc), param="idempotency_key") from None
     try:
         raw_target = kwargs.get("reply_to")
-        target = None if raw_target is None else check_reply_to(raw_target, settings.queue_prefix)
+        target = (
+            None if raw_target is None else check_reply_to(raw_target, settings.queue_prefix, settings.reply_to_prefix)
+        )
     except ValueError as exc:
         raise InvalidSubmission(str(exc), param="reply_to", idempotency_key=key) from None
 
@@ -204,7 +213,10 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
     try:
         values["input_uri"] = _check_uri(kwargs["input_uri"])
         field = "model"
-        values["model"] = canonical_model(kwargs["model"])
+        try:
+            values["model"] = canonical_model(kwargs["model"])
+        except InvalidModel:  # said as for any model not served: no oracle on a worker's paths
+            raise ValueError(not_served(kwargs["model"])) from None
         field = "metadata"
         values["metadata"] = check_metadata(kwargs.get("metadata"))
         field = "completion_window"

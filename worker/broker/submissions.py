@@ -35,6 +35,7 @@ from worker.batchio.records import InputFormat
 from worker.broker.announce import describe_target
 from worker.broker.submission_contract import InvalidSubmission, Submission, parse_submission
 from worker.core.settings import Settings
+from worker.jobs.catalog import lookup, not_served
 from worker.jobs.keyed_submissions import job_with_key, record_refusal
 from worker.jobs.submission import SubmitOptions, create_job
 from worker.store.faults import dependency_of
@@ -112,6 +113,11 @@ def handle_submission(
         return _refuse(db, settings, exc, kwargs, announce, task_id)
     job = job_with_key(db, sub.idempotency_key)
     created = False
+    if job is None and lookup(db, settings, sub.model) is None:  # no job, nor queue, for any name sent
+        refusal = InvalidSubmission(
+            not_served(sub.model), param="model", idempotency_key=sub.idempotency_key, reply_to=sub.reply_to
+        )
+        return _refuse(db, settings, refusal, kwargs, announce, task_id)
     if job is None:
         try:
             key = input_key(store, sub.input_uri)

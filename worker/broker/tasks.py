@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,9 +110,19 @@ def register_tasks(app: Celery) -> None:
         try:
             outcome = run_shard(ctx, job_id, shard_index)
         except RetryShard as exc:
-            countdown = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
-            log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, countdown, exc)
-            raise self.retry(countdown=countdown, max_retries=None) from None
+            delay = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
+            log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, delay, exc)
+            # Waited out here and sent again as a new message, not with a countdown: Conveyor's
+            # queues refuse delayed messages (``worker.broker.envelope``). A stop cuts it short.
+            until = time.monotonic() + delay
+            while time.monotonic() < until and not ctx.state.hand_back_due():
+                time.sleep(0.2)
+            queue = queue_name(ctx.model, ctx.settings.queue_prefix)
+            try:
+                enqueue_shards(app, queue, job_id, [shard_index])
+            except Exception as send_error:  # the broker keeps this message instead
+                raise Reject(f"shard {job_id}/{shard_index}: not re-sent ({send_error})", requeue=True) from None
+            return {"job_id": job_id, "shard_index": shard_index, "status": "retrying"}
         except DependencyUnavailable as exc:
             log.warning("%s; handing the message back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None

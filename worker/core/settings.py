@@ -32,6 +32,7 @@ from worker.core.limits import (
     MIN_COMPLETION_WINDOW_SECONDS,
     GiB,
     InputLimits,
+    KiB,
     MiB,
     completion_window_seconds,
 )
@@ -106,6 +107,21 @@ class Settings(BaseSettings):
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
     # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
     upload_idle_timeout_seconds: float = Field(60.0, gt=0)
+    # ``conveyor serve``'s connections: a request's headers must all arrive within this (from the
+    # connection's start, or the previous response), or the connection is closed.
+    http_header_timeout_seconds: float = Field(10.0, gt=0)
+    # A JSON request body (``POST /v1/batches``) must all arrive within this (408 otherwise).
+    http_body_timeout_seconds: float = Field(30.0, gt=0)
+    # An idle keep-alive connection is closed after this.
+    http_keep_alive_seconds: float = Field(5.0, gt=0)
+    # How many of those uploads one API key may stream at once (one more is answered 429), so
+    # one tenant cannot hold every slot.
+    max_concurrent_uploads_per_key: int = Field(2, ge=1, le=1024)
+    # An upload slower than this on average, once it has run for the idle timeout, is answered
+    # 408 and dropped (a byte every few seconds must not hold a slot).
+    upload_min_bytes_per_second: int = Field(8 * KiB, ge=0)
+    # No upload may take longer than this in all.
+    upload_max_seconds: float = Field(3600.0, gt=0)
 
     # Sharding, leases and write batching.
     shard_size: int = Field(256, ge=1)
@@ -150,6 +166,8 @@ class Settings(BaseSettings):
     # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     broker_visibility_timeout: float = Field(3600.0, gt=0)
+    # The largest task message a worker takes (a bigger one is refused and logged, not run).
+    max_message_bytes: int = Field(1 * MiB, ge=1024)
 
     # Fault handling: how often a running shard looks for a cancel, how often each worker
     # sweeps for shards of dead workers, and how many attempts a failing shard gets (only
@@ -190,12 +208,28 @@ class Settings(BaseSettings):
     # ``conveyor serve`` also consumes the submission queue (``<prefix>-submit``), as workers do,
     # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
     api_takes_submissions: bool = True
+    # A broker submission's ``reply_to`` (a queue or exchange name) must start with this, so a
+    # producer cannot have announcements published into another application's queues; empty:
+    # any name but Conveyor's own queues and ``amq.*``.
+    reply_to_prefix: str = Field("", max_length=100)
+
+    # Prefix-cache sharing between jobs (``worker.execution.cache_salt``): ``owner`` reuses cached
+    # prompt blocks only between jobs of one owner (an API key), so no tenant learns another's
+    # prompts from ``cached_tokens`` or timing; ``global`` shares them between all jobs (only
+    # for a deployment whose users may all see each other's prompts).
+    cache_sharing: Literal["owner", "global"] = "owner"
+    # The prefix-cache owner of every job submitted without an API key (``conveyor submit``, a
+    # broker producer), so the operator's own jobs share their cache; empty: each such job alone.
+    unowned_cache_salt: str = Field("", max_length=128)
 
     # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
     # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
     # Job and shard counts are read from the database at most once per
     # ``metrics_cache_seconds`` per process, however often it is scraped.
     metrics_port: int = Field(0, ge=0, le=65535)
+    # When set, every ``/metrics`` (the API's and the workers') answers only a scraper sending
+    # ``Authorization: Bearer <this token>``; unset, they are open to whoever reaches the port.
+    metrics_token: str | None = Field(None, min_length=16)
     metrics_host: str = "0.0.0.0"
     metrics_cache_seconds: float = Field(5.0, ge=0)
 
@@ -279,9 +313,10 @@ class Settings(BaseSettings):
         return not (self.database_url or self.broker_url or self.storage_url)
 
     def ensure_home(self) -> Path:
-        """Create the home directory (for the embedded defaults); returns it."""
+        """Create the home directory (for the embedded defaults), readable by its user only
+        (it holds the database with every prompt and key hash); returns it."""
         home = self.home_dir
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
         return home
 
     def input_limits(self) -> InputLimits:

@@ -440,6 +440,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the HTTP stack (see the module docstring)
 
     from worker.api.app import create_app
+    from worker.api.http_server import uvicorn_options
 
     app = create_app(settings, insecure=args.insecure_no_auth)
     where = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/v1"
@@ -460,6 +461,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=(args.loglevel or settings.log_level).lower(),
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=30,
+        **uvicorn_options(settings),
     )
     return 0
 

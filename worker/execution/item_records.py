@@ -44,11 +44,11 @@ def engine_prompt(req: ParsedRequest) -> Any:
     return req.prompt
 
 
-def sampling_params(req: ParsedRequest) -> SamplingParams:
+def sampling_params(req: ParsedRequest, cache_salt: str | None = None) -> SamplingParams:
     """``SamplingParams`` of a request (``ValueError`` naming the field if the engine refuses).
     Final-only: the engine host keeps only finished outputs, so the engine need not build
-    one per step."""
-    return SamplingParams(**{**req.sampling, "stream": False})
+    one per step. ``cache_salt`` (its job's, ``execution.cache_salt``) always wins over the line."""
+    return SamplingParams(**{**req.sampling, "stream": False, "cache_salt": cache_salt})
 
 
 def error_record(

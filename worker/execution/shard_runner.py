@@ -52,6 +52,7 @@ from sqlalchemy import select
 from engine.token_pieces import TokenPieces
 from worker.batchio.records import ParsedRequest
 from worker.core.periodic import Periodic
+from worker.execution.cache_salt import cache_salt
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import Completion, RequestHandle
@@ -198,6 +199,7 @@ class ShardRunner:
         self._item_ctx = ItemContext(job_id, ctx.model, shard_index, ctx.worker_id)
         self._flush_after = 0.0
         self._parts: str | None = None  # the results part file, once written
+        self._cache_salt: str | None = None  # whose prefix-cache blocks the items may reuse
         self._released = False
         self._reason = ""
 
@@ -228,10 +230,11 @@ class ShardRunner:
         ctx = self.ctx
         with ctx.db.connect() as conn:
             job = conn.execute(
-                select(Job.status, Job.model, Job.priority, Job.expires_at).where(Job.id == self.job_id)
+                select(Job.status, Job.model, Job.priority, Job.expires_at, Job.owner).where(Job.id == self.job_id)
             ).one_or_none()
         if job is None:
             return self._outcome("skipped", reason="no such job")
+        self._cache_salt = cache_salt(ctx.settings, self.job_id, job.owner)
         if JobStatus(job.status).terminal:
             return self._outcome("skipped", reason=f"job is {JobStatus(job.status).value}")
         if job.model != ctx.model:
@@ -399,7 +402,7 @@ class ShardRunner:
         self._handles = {}
         for req in requests:
             try:
-                params = sampling_params(req)
+                params = sampling_params(req, self._cache_salt)
             except ValueError as exc:
                 self._buffer.add(
                     error_record(self._item_ctx, req, code="invalid_value", message=str(exc), status_code=400)

@@ -59,3 +59,12 @@ def lookup(db: Engine, settings: Settings, model: str) -> CatalogModel | None:
     """``model``'s entry, or None when work for it cannot be accepted (neither declared nor
     ever served: a typo, or a model this deployment never ran)."""
     return next((m for m in catalog(db, settings) if m.model == model), None)
+
+
+def not_served(model: str) -> str:
+    """Why work naming ``model`` is refused: the same words whether or not it names a path on
+    this machine, so the answer tells a producer nothing about a worker's files."""
+    return (
+        f"model {model!r:.200} is not one this deployment serves "
+        "(declared in CONVEYOR_MODELS, or served by a worker under that name)"
+    )

@@ -59,11 +59,12 @@ def record_refusal(
         with db.begin() as conn:
             conn.execute(
                 insert(Job).values(
-                    id=job_id, status=JobStatus.failed, model=model[:MODEL_LEN] if isinstance(model, str) else "",
+                    id=job_id, status=JobStatus.failed, model=_storable(model)[:MODEL_LEN],
                     priority=0, endpoint=CHAT, shard_size=settings.shard_size, meta=meta,
                     completion_window=settings.completion_window, created_at=t, updated_at=t, failed_at=t,
                     expires_at=None, idempotency_key=idempotency_key, notify=notify,
-                    errors=[{"code": code, "message": message, "param": param, "line": None}],
+                    errors=[{"code": code, "message": _storable(message), "param": param and _storable(param),
+                             "line": None}],
                 )
             )  # fmt: skip
     except IntegrityError:
@@ -72,3 +73,8 @@ def record_refusal(
             raise
         return existing, False  # a duplicate won the race
     return get_job(db, job_id), True
+
+
+def _storable(text: Any) -> str:
+    """``text`` as PostgreSQL stores it (no NUL: a refusal that named one must still be recorded)."""
+    return text.replace("\x00", "\ufffd") if isinstance(text, str) else ""

@@ -74,6 +74,8 @@ def check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
             raise ValueError(f"metadata keys must be at most {MAX_METADATA_KEY_CHARS} characters, got {key!r:.70}")
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE_CHARS} characters (key {key!r})")
+        if "\x00" in key or "\x00" in value:  # PostgreSQL's text and JSONB refuse it
+            raise ValueError(f"metadata keys and values must not contain NUL (\\u0000), got {key!r:.70}: {value!r:.70}")
     return dict(metadata)
 
 
@@ -152,6 +154,13 @@ def submit_job(
 
 # What a broker message or an API client may put in an idempotency key.
 MAX_IDEMPOTENCY_KEY_CHARS = IDEMPOTENCY_KEY_LEN
+# The HTTP API's keys are stored as ``api:<owner>:<key>``; no other door may use this prefix.
+HTTP_KEY_NAMESPACE = "api:"
+
+
+def http_idempotency_key(owner: str | None, key: str) -> str:
+    """The stored key of an HTTP ``Idempotency-Key``: one owner's never finds another's batch."""
+    return f"{HTTP_KEY_NAMESPACE}{owner or '-'}:{key}"
 
 
 def create_job(

@@ -48,6 +48,7 @@ class ApiMetrics:
     """The metrics of an API server process: the database's counts and the process's."""
 
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.registry = new_registry()
         self._db = metrics_db_engine(settings.database)
         self.registry.register(

@@ -16,6 +16,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
+from worker.metrics.token import token_matches
+
 # A health check: (healthy, what to say about it).
 HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 
@@ -31,7 +33,12 @@ class _IPv6Server(_ThreadingServer):
     address_family = socket.AF_INET6
 
 
+REQUEST_TIMEOUT_SECONDS = 10.0  # a connection silent this long mid-request is closed (its thread ends)
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_SECONDS  # half-sent requests must not pile up threads
+
     def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: no log line each
         pass
 
@@ -48,8 +55,12 @@ class MetricsServer:
         *,
         liveness: HealthCheck | None = None,
         readiness: HealthCheck | None = None,
+        request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+        token: str | None = None,
     ) -> None:
-        routes: dict[str, Callable[[_Environ, _StartResponse], Iterable[bytes]]] = {"/metrics": make_wsgi_app(registry)}
+        routes: dict[str, Callable[[_Environ, _StartResponse], Iterable[bytes]]] = {
+            "/metrics": _guarded(make_wsgi_app(registry), token)
+        }
         if liveness is not None:
             routes["/healthz"] = _health_app(liveness)
         if readiness is not None:
@@ -63,7 +74,8 @@ class MetricsServer:
             return route(environ, start_response)
 
         server_class = _IPv6Server if ":" in host else _ThreadingServer
-        self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        handler = type("_Handler", (_QuietHandler,), {"timeout": request_timeout})
+        self._server = make_server(host, port, app, server_class, handler_class=handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="conveyor-metrics", daemon=True)
         self._thread.start()
         self.host = host
@@ -87,3 +99,17 @@ def _health_app(check: HealthCheck) -> Callable[[_Environ, _StartResponse], Iter
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
     return app
+
+
+def _guarded(
+    app: Callable[[_Environ, _StartResponse], Iterable[bytes]], token: str | None
+) -> Callable[[_Environ, _StartResponse], Iterable[bytes]]:
+    """``app`` for a scraper sending ``token`` (``CONVEYOR_METRICS_TOKEN``) only, when one is set."""
+
+    def guarded(environ: _Environ, start_response: _StartResponse) -> Iterable[bytes]:
+        if not token_matches(token, environ.get("HTTP_AUTHORIZATION")):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"the metrics need the scraper's token (CONVEYOR_METRICS_TOKEN)\n"]
+        return app(environ, start_response)
+
+    return guarded

@@ -50,7 +50,10 @@ class WorkerMetrics:
     def serve(cls, ctx: WorkerContext, host: str, port: int) -> WorkerMetrics:
         metrics = cls(ctx)
         try:
-            metrics.server = MetricsServer(metrics.registry, host, port, liveness=ctx.liveness, readiness=ctx.readiness)
+            metrics.server = MetricsServer(
+                metrics.registry, host, port, liveness=ctx.liveness, readiness=ctx.readiness,
+                token=ctx.settings.metrics_token,
+            )  # fmt: skip
         except Exception:
             metrics.close()
             raise

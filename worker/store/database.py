@@ -28,7 +28,7 @@ def create_db_engine(url: str | URL, **kwargs: Any) -> Engine:
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:" and not u.database.startswith("file:"):
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            Path(u.database).expanduser().parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # its user's only
         kwargs.setdefault("connect_args", {}).setdefault("timeout", 30)
         engine = _sa_create_engine(u, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)

@@ -59,9 +59,13 @@ class LocalStore(ObjectStore):
 
     def _path(self, key: str) -> Path:
         path = self._base() / validate_key(key)
-        # Keys are checked lexically; this also stops a symlink inside the store leading out.
-        if not path.resolve().is_relative_to(self.root):
+        # Keys are checked lexically; the resolved path must be that same path, so no symlink
+        # leads out of the store, nor inside it around a refusal by key (``jobs/...``).
+        resolved = path.resolve()
+        if not resolved.is_relative_to(self.root):
             raise InvalidKey(f"key {key!r} resolves outside the store at {self.root}")
+        if resolved != path:
+            raise InvalidKey(f"key {key!r} passes through a symbolic link in the store at {self.root}")
         return path
 
     def uri(self, key: str = "") -> str:
