@@ -144,6 +144,10 @@ class Settings(BaseSettings):
     models: Annotated[tuple[str, ...], NoDecode] = ()
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
+    # The most shards of one owner (API key) a worker runs at once. Unset: one less than
+    # ``worker_concurrency`` (at least 1), so a place is always left for another owner's
+    # first shard while one owner's backlog fills the worker.
+    owner_shard_slots: int | None = Field(None, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # torch's intra-op threads in the worker's engine (``EngineConfig.cpu_threads``). Unset: the
     # CPUs the process may use (its affinity and its cgroup's CPU quota, so a pod's CPU limit),
@@ -298,6 +302,13 @@ class Settings(BaseSettings):
         home = self.home_dir
         home.mkdir(parents=True, exist_ok=True)
         return home
+
+    @property
+    def shard_slots_per_owner(self) -> int:
+        """``owner_shard_slots``, or its default from ``worker_concurrency``."""
+        if self.owner_shard_slots is not None:
+            return self.owner_shard_slots
+        return max(1, self.worker_concurrency - 1)
 
     def input_limits(self) -> InputLimits:
         return InputLimits(
