@@ -50,7 +50,9 @@ def wait_until(predicate: Any, timeout: float, what: str) -> float:
 
 
 def test_a_second_owners_batch_completes_while_the_first_owners_backlog_runs(
-    pg_redis_s3_stack, serve, spawn_worker  # noqa: F811
+    pg_redis_s3_stack,
+    serve,  # noqa: F811
+    spawn_worker,
 ) -> None:
     stack = pg_redis_s3_stack.with_values(
         models=[MODEL], shard_size=8, engine_args={"num_kv_blocks": 512, "max_num_seqs": 4}

@@ -57,7 +57,9 @@ class IntakeLane(ConsumerMixin):
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop consuming (the loop looks up every second; an intake under way finishes or
+        hands its message back: ``run_intake`` gives up once the hand-back time comes)."""
         self.should_stop = True
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
