@@ -11,7 +11,7 @@ goes on with new requests, unless the engine can run no further step (``EngineDe
 a tensor-parallel rank died): then the process exits, as after a crash.
 
 Requests reach the engine through a ``FairFeed``: the loop holds them and passes them on
-while the engine has fewer unfinished requests than its ``max_num_seqs``, the next one from
+while the engine has fewer unfinished sequences than its ``max_num_seqs``, the next one from
 the owner with the fewest in the engine, so one owner's backlog never stands in the
 engine's queue ahead of another owner's first request.
 """
@@ -156,8 +156,10 @@ class EngineHost:
         self._prefix = f"h{os.getpid()}-{id(self) & 0xFFFF:x}-"
         self._live: dict[str, _Live] = {}  # loop thread only
         self._feed: FairFeed[_Submission] = FairFeed()  # loop thread only
-        # How many requests the engine holds at once (its running batch); more wait in the feed.
+        # How many sequences (a request's ``n`` samples each) the engine holds at once: its
+        # running batch; more requests wait in the feed.
         self._window: int | None = getattr(getattr(engine, "config", None), "max_num_seqs", None)
+        self._live_seqs = 0
         self._submitted = 0
         self._finished = 0
         self._stats = HostStats(None, 0, 0, 0, 0.0)
@@ -292,7 +294,7 @@ class EngineHost:
 
     def _admit(self) -> None:
         """Pass held requests to the engine while it has room, fairly between owners."""
-        while len(self._feed) and (self._window is None or len(self._live) < self._window):
+        while len(self._feed) and (self._window is None or self._live_seqs < self._window):
             taken = self._feed.pop()
             assert taken is not None
             owner, sub = taken
@@ -302,6 +304,7 @@ class EngineHost:
     def _drop_live(self, request_id: str) -> _Live:
         entry = self._live.pop(request_id)
         self._feed.done(entry.submission.owner)
+        self._live_seqs -= entry.submission.params.n
         return entry
 
     def _add(self, sub: _Submission) -> bool:
@@ -318,6 +321,7 @@ class EngineHost:
             self._resolve(sub, EngineFailure(f"the engine failed to take the request: {type(exc).__name__}: {exc}"))
             return False
         self._live[rid] = _Live(sub)
+        self._live_seqs += sub.params.n
         return True
 
     def _step(self) -> None:
