@@ -218,7 +218,9 @@ def main() -> None:
             def sample() -> None:  # the figures while B waits, and while A runs alone
                 while not done.is_set():
                     with contextlib.suppress(OSError):
-                        samples.append({"t": time.time(), **scrape(stack.metrics_port)})
+                        figures = scrape(stack.metrics_port)
+                        if figures:  # (none from code before the fair share)
+                            samples.append({"t": time.time(), **figures})
                     done.wait(0.25)
 
             sampler = threading.Thread(target=sample, daemon=True)
@@ -229,7 +231,7 @@ def main() -> None:
             a.batches.cancel(backlog_id)
         finally:
             stack.close()
-    ratios = [s["conveyor_fair_share_ratio" + '{model="' + MODEL + '"}'] for s in samples if len(s) > 1]
+    ratios = [s["conveyor_fair_share_ratio" + '{model="' + MODEL + '"}'] for s in samples]
     results = {
         "setup": {
             "worker_concurrency": 2, "max_num_seqs": 4, "shard_size": 8, "a_lines": args.a_lines,
