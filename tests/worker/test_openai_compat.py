@@ -368,7 +368,7 @@ class _ExplodingHost:
     def __init__(self) -> None:
         self.pid, self.alive, self.tokenizer = os.getpid(), True, None
 
-    def submit(self, prompt, params, *, priority=0, deadline=None, tag=None, on_done=None) -> RequestHandle:
+    def submit(self, prompt, params, *, priority=0, deadline=None, tag=None, on_done=None, owner="") -> RequestHandle:
         future: Future = Future()
         future.set_exception(RuntimeError("the engine exploded"))
         handle = RequestHandle(f"r{id(tag)}", future, tag)

@@ -80,7 +80,7 @@ class _StuckHost:
         self.aborted: list[RequestHandle] = []
         self.pid, self.alive, self.tokenizer = os.getpid(), True, None
 
-    def submit(self, prompt, params, *, priority=0, deadline=None, tag=None, on_done=None):
+    def submit(self, prompt, params, *, priority=0, deadline=None, tag=None, on_done=None, owner=""):
         if self.fail:
             raise RuntimeError("engine exploded")
         return RequestHandle(f"r{id(tag)}", Future(), tag)

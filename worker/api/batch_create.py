@@ -14,7 +14,9 @@ decides at once whether the batch can run, each refusal a 400 naming its paramet
 - the model is one this deployment runs (``GET /v1/models``, ``worker.jobs.catalog``): declared
   in ``CONVEYOR_MODELS`` or served by some worker before, whether or not one runs now (an
   autoscaler starts one on the demand the batch adds); a batch for a model nobody ever runs
-  would only wait until it expired.
+  would only wait until it expired;
+- the owner's quotas allow one more batch of the file's lines and output tokens (a 429
+  naming the limit otherwise: ``worker.api.quota_checks``).
 
 The job is then recorded ``validating`` (``create_job``) and a worker is asked to read the
 file (``enqueue_intake``): lines it rejects one by one (bad JSON, a bad body, a missing
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from worker.api.errors import ApiError, bad_request, not_found, validation_error
+from worker.api.quota_checks import create_within_quota
 from worker.api.services import ApiServices
 from worker.batchio.batch_scan import BatchScan
 from worker.batchio.request_body import ENDPOINTS
@@ -179,10 +182,15 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
             code="model_not_found",
         )
     options = SubmitOptions(model=model, completion_window=req.completion_window)
+    scan = info.batch_scan
+    assert scan is not None  # batch_model refused a file without one
     try:
-        batch, created = create_job(
-            db, services.store, settings, info.uri, options, metadata=metadata, owner=owner,
-            input_file_id=req.input_file_id, idempotency_key=key,
+        batch, created = create_within_quota(
+            services, owner, scan,
+            lambda: create_job(
+                db, services.store, settings, info.uri, options, metadata=metadata, owner=owner,
+                input_file_id=req.input_file_id, idempotency_key=key,
+            ),
         )  # fmt: skip
     except ValueError as exc:
         raise bad_request(str(exc)) from None

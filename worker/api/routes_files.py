@@ -1,7 +1,8 @@
 """``/v1/files``: upload (streamed, ``worker.api.uploads``), list, retrieve, download, delete.
 
 Every file belongs to the key that uploaded it (a batch's output files to the batch's key):
-another key is told "not found" and never sees it listed.
+another key is told "not found" and never sees it listed. An upload past the owner's quotas
+on files or stored bytes is answered 429 (``worker.api.quota_checks``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from worker.api.auth import Caller
 from worker.api.errors import ApiError
+from worker.api.quota_checks import check_upload_start, commit_within_quota, declared_length
 from worker.api.services import Services
 from worker.api.uploads import Pace, check_declared_length, drain, receive_upload
 from worker.jobs.files import (
@@ -52,6 +54,7 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
                 "(CONVEYOR_MAX_CONCURRENT_UPLOADS); retry shortly.",
                 headers={"Retry-After": "1"},
             )
+        await run_in_threadpool(check_upload_start, services, owner.id, declared_length(request))
     except ApiError:
         await drain(request.stream())
         raise
@@ -64,12 +67,17 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
                 pace=pace,
             )  # fmt: skip
             return await run_in_threadpool(
-                upload.commit,
-                services.db,
-                owner=owner.id,
-                purpose=form.purpose,
-                filename=form.filename,
-                expires_after=form.expires_after,
+                commit_within_quota,
+                services,
+                owner.id,
+                upload,
+                lambda: upload.commit(
+                    services.db,
+                    owner=owner.id,
+                    purpose=form.purpose,
+                    filename=form.filename,
+                    expires_after=form.expires_after,
+                ),
             )
     finally:
         left = services.uploads_by_owner.pop(owner.id, 1) - 1

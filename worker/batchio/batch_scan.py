@@ -21,6 +21,10 @@ from worker.batchio.json_values import loads
 MAX_MODELS = 8  # distinct body.model values kept
 MAX_URLS = 8  # distinct url values kept
 MAX_VALUE_CHARS = 256  # each kept value, at most (the models column's width)
+# The largest ``n`` and ``max_tokens`` a line is charged (a bigger one is refused at intake);
+# they only keep the sums of a hostile file bounded.
+MAX_N = 64
+MAX_COUNTED_TOKENS = 1 << 31
 
 
 @dataclass
@@ -34,6 +38,11 @@ class BatchScan:
     not_json: int = 0  # lines that are not a JSON object (not UTF-8, invalid JSON, an array, ...)
     first_not_json_line: int | None = None
     too_long: int = 0  # lines over the line limit (skipped here; a line error at intake)
+    # The output the lines ask for, ``n x max_tokens`` summed over the lines that name a
+    # ``max_tokens`` (or ``max_completion_tokens``); the lines that name none are counted in
+    # ``default_token_samples`` (their ``n`` summed), to be charged the deployment's default.
+    requested_tokens: int = 0
+    default_token_samples: int = 0
 
     def as_meta(self) -> dict[str, Any]:
         return {
@@ -46,7 +55,18 @@ class BatchScan:
             "not_json": self.not_json,
             "first_not_json_line": self.first_not_json_line,
             "too_long": self.too_long,
+            "requested_tokens": self.requested_tokens,
+            "default_token_samples": self.default_token_samples,
         }
+
+    def output_tokens(self, default_max_tokens: int) -> int:
+        """The tokens the batch may generate: ``n x max_tokens`` per line, a line without
+        ``max_tokens`` charged ``default_max_tokens`` per sample. (A file scanned before the
+        counts were kept is charged the default for each line.)"""
+        samples = self.default_token_samples
+        if not self.requested_tokens and not samples:
+            samples = self.lines
+        return self.requested_tokens + samples * default_max_tokens
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> BatchScan:
@@ -129,6 +149,18 @@ class BatchScanner:
             scan.more_models = _add(scan.models, model, MAX_MODELS) or scan.more_models
         else:
             scan.without_model += 1
+        if isinstance(body, dict):
+            self._count_tokens(body)
+
+    def _count_tokens(self, body: dict[str, Any]) -> None:
+        n = _count(body.get("n"), MAX_N) or 1
+        limit = _count(body.get("max_tokens"), MAX_COUNTED_TOKENS) or _count(
+            body.get("max_completion_tokens"), MAX_COUNTED_TOKENS
+        )
+        if limit:
+            self.scan.requested_tokens += n * limit
+        else:
+            self.scan.default_token_samples += n
 
 
 def _parse(text: bytes) -> Any:
@@ -144,6 +176,14 @@ def _parse(text: bytes) -> Any:
             return loads(decoded)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
+
+
+def _count(value: Any, ceiling: int) -> int:
+    """A positive count from a line, at most ``ceiling``; 0 for anything else (that line's
+    error comes at intake, where it is charged nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return 0
+    return min(value, ceiling)
 
 
 def _add(values: list[str], value: str, cap: int) -> bool:

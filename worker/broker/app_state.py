@@ -31,6 +31,7 @@ class AppState:
     sweep_thread: Periodic | None = None
     registry_id: str | None = None  # this worker process's row in the workers registry
     metrics: WorkerMetrics | None = None  # its /metrics server, when CONVEYOR_METRICS_PORT is set
+    intake_lane: Any = None  # its intake consumer (``worker.broker.intake_lane``), once ready
     _context: WorkerContext | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -56,6 +57,9 @@ class AppState:
             thread.stop()
         self.background.clear()
         self.sweeper = self.sweep_thread = None
+        if self.intake_lane is not None:
+            self.intake_lane.stop()
+            self.intake_lane = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

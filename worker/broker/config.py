@@ -12,7 +12,7 @@ from typing import Any
 from celery import Celery
 
 from worker.broker.envelope import MAX_BYTES_OPTION
-from worker.broker.queues import intake_queue_name, model_queue, submit_queue_name
+from worker.broker.queues import model_queue, submit_queue_name
 from worker.core.settings import Settings
 
 
@@ -45,11 +45,11 @@ def celery_app(settings: Settings, queue: str) -> Celery:
         worker_pool="threads",
         worker_concurrency=settings.worker_concurrency,
         task_default_queue=queue,
-        # Every worker also ingests stored inputs and takes broker-level submissions,
-        # whatever its model.
+        # Every worker also takes broker-level submissions, whatever its model. (It ingests
+        # stored inputs too, from ``<prefix>-intake``, but on a lane of its own, not in this
+        # pool: ``worker.broker.intake_lane``.)
         task_queues=[
             model_queue(queue),
-            model_queue(intake_queue_name(settings.queue_prefix)),
             model_queue(submit_queue_name(settings.queue_prefix)),
         ],
         worker_hijack_root_logger=True,

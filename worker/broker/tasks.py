@@ -1,6 +1,7 @@
 """The Celery tasks (JSON arguments only; names and enqueue helpers in ``worker.broker.queues``).
 
-- ``conveyor.run_shard(job_id, shard_index)``: run one shard (``worker.execution.shard_runner``).
+- ``conveyor.run_shard(job_id, shard_index)``: a turn to run one of the model's pending shards,
+  fairly between owners (``worker.execution.shard_turns``; the named one when none waits).
   A failed attempt is retried with backoff up to ``CONVEYOR_SHARD_MAX_ATTEMPTS``; after that
   the shard's remaining items become error records and the job goes on.
 - ``conveyor.finalize_job(job_id, redo)``: finalise a job the sweeper found unfinished.
@@ -52,7 +53,8 @@ from worker.broker.queues import (
 from worker.broker.submissions import IntakeNotSent, handle_submission, intake_sender
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
-from worker.execution.shard_runner import RetryShard, run_shard
+from worker.execution.shard_runner import RetryShard
+from worker.execution.shard_turns import run_next_shard
 from worker.jobs import object_keys
 from worker.jobs.finalize import FinalizeResult, finalize_if_ready, finalize_job
 from worker.jobs.lifecycle import JobNotFound, job_model
@@ -108,7 +110,7 @@ def register_tasks(app: Celery) -> None:
 
     def _run_shard(self: Any, ctx: WorkerContext, job_id: str, shard_index: int) -> dict[str, Any]:
         try:
-            outcome = run_shard(ctx, job_id, shard_index)
+            outcome = run_next_shard(ctx, job_id, shard_index)
         except RetryShard as exc:
             delay = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
             log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, delay, exc)
@@ -172,28 +174,11 @@ def register_tasks(app: Celery) -> None:
             return _ingest(ctx, job_id)
 
     def _ingest(ctx: WorkerContext, job_id: str) -> dict[str, Any]:
-        prefix = ctx.settings.queue_prefix
-
-        def send(job_id: str, indices: Any) -> None:
-            enqueue_shards(app, queue_name(job_model(ctx.db, job_id), prefix), job_id, indices)
-
         try:
-            job = ctx.gate.call(
-                lambda: ingest_job(ctx.db, ctx.store, ctx.settings, job_id, enqueue=send),
-                what=f"ingesting job {job_id}",
-                patience=ctx.settings.dependency_retry_seconds,
-                give_up=ctx.state.hand_back_due,
-            )
+            return run_intake(app, ctx, job_id)
         except DependencyUnavailable as exc:
             log.warning("%s; handing the message back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
-        except JobNotFound:
-            log.warning("ingest_job: no job %s (deleted?); dropping the message", job_id)
-            return {"job_id": job_id, "status": None}
-        log.info("job %s ingested: %s", job_id, job["status"])
-        if JobStatus(job["status"]).terminal:  # its input was refused, or it had no request
-            announce(job_id)
-        return {"job_id": job_id, "status": job["status"]}
 
     @app.task(name=SUBMIT_JOB, **common)
     def submit_job_task(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -215,3 +200,28 @@ def register_tasks(app: Celery) -> None:
         except (DependencyUnavailable, IntakeNotSent) as exc:
             log.warning("%s; handing the submission back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
+
+
+def run_intake(app: Celery, ctx: WorkerContext, job_id: str) -> dict[str, Any]:
+    """Ingest job ``job_id``'s stored input and enqueue its shards (``DependencyUnavailable``
+    after a dependency stayed down too long); announce the job's end if it ended at once.
+    What both the intake lane (``worker.broker.intake_lane``) and the ``ingest_job`` task run."""
+    prefix = ctx.settings.queue_prefix
+
+    def send(job_id: str, indices: Any) -> None:
+        enqueue_shards(app, queue_name(job_model(ctx.db, job_id), prefix), job_id, indices)
+
+    try:
+        job = ctx.gate.call(
+            lambda: ingest_job(ctx.db, ctx.store, ctx.settings, job_id, enqueue=send),
+            what=f"ingesting job {job_id}",
+            patience=ctx.settings.dependency_retry_seconds,
+            give_up=ctx.state.hand_back_due,
+        )
+    except JobNotFound:
+        log.warning("ingest_job: no job %s (deleted?); dropping the message", job_id)
+        return {"job_id": job_id, "status": None}
+    log.info("job %s ingested: %s", job_id, job["status"])
+    if JobStatus(job["status"]).terminal:  # its input was refused, or it had no request
+        Announcer(app, ctx.db, ctx.settings).announce(job_id)
+    return {"job_id": job_id, "status": job["status"]}

@@ -10,7 +10,8 @@
 - ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
   the expiry (jobs of any model past their completion window), the announcements (jobs of
   any model whose end is still to be announced on the broker: ``worker.broker.announce``)
-  and the engine-snapshot threads, and with ``--exit-when-idle`` the idle watch. ``/readyz``
+  and the engine-snapshot threads, the intake lane (``worker.broker.intake_lane``: intakes on
+  a consumer of their own, never behind shards), and with ``--exit-when-idle`` the idle watch. ``/readyz``
   answers 200 from here on (``WorkerContext.readiness``).
 - ``worker_shutting_down`` (SIGTERM or Ctrl-C: Celery's warm shutdown, which stops consuming
   and waits for running tasks): the process starts draining (``ProcessState.begin_drain``):
@@ -36,6 +37,7 @@ from celery import Celery, bootsteps, signals
 
 from worker.broker.announce import Announcer
 from worker.broker.app_state import AppState, app_state
+from worker.broker.intake_lane import IntakeLane
 from worker.broker.queues import enqueue_finalize, enqueue_intake, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
 from worker.core.settings import ConfigError
@@ -72,6 +74,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
     )
     state.sweeper = sweeper
     state.sweep_thread = Periodic("conveyor-sweeper", s.sweep_interval_seconds, sweeper.sweep_once).start()
+    state.intake_lane = IntakeLane(app, ctx).start()
     state.background = []
     registry_id = state.registry_id
     if registry_id is not None:
@@ -210,6 +213,8 @@ def _on_worker_shutting_down(sig: Any = None, how: Any = None, **_: Any) -> None
         return
     timeout = ctx.settings.drain_timeout_seconds
     drain = ctx.state.begin_drain(timeout, reason=str(sig))
+    if state.intake_lane is not None:  # no new intake either (the one running finishes or hands back)
+        state.intake_lane.should_stop = True
     log.warning(
         "conveyor worker: stopping (%s): taking no new shard; running shards hand back what is left "
         "in %.0f s; exiting within %.0f s (--drain-timeout)",

@@ -123,6 +123,21 @@ class Settings(BaseSettings):
     # No upload may take longer than this in all.
     upload_max_seconds: float = Field(3600.0, gt=0)
 
+    # Quotas per owner (an API key): past one, ``POST /v1/files`` or ``POST /v1/batches`` is
+    # answered 429 naming it (``worker.jobs.quotas``). Work counts as queued from the batch's
+    # creation until it ends (completed, failed, expired or cancelled).
+    # The most batches one owner may have unfinished at once.
+    quota_active_batches: int = Field(100, ge=1)
+    # The most request lines one owner's unfinished batches may hold together.
+    quota_queued_lines: int = Field(1_000_000, ge=1)
+    # The most output tokens one owner's unfinished batches may ask for together: each line's
+    # ``n x max_tokens`` (``CONVEYOR_DEFAULT_MAX_TOKENS`` for a line that names none).
+    quota_queued_tokens: int = Field(500_000_000, ge=1)
+    # The most bytes one owner's files (uploads and batch outputs) may take in the store.
+    quota_stored_bytes: int = Field(20 * GiB, ge=1)
+    # The most files one owner may keep (uploads and batch outputs).
+    quota_files: int = Field(10_000, ge=1)
+
     # Sharding, leases and write batching.
     shard_size: int = Field(256, ge=1)
     lease_seconds: float = Field(60.0, gt=0)
@@ -145,6 +160,10 @@ class Settings(BaseSettings):
     models: Annotated[tuple[str, ...], NoDecode] = ()
     queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
     worker_concurrency: int = Field(4, ge=1, le=256)
+    # The most shards of one owner (API key) a worker runs at once. Unset: one less than
+    # ``worker_concurrency`` (at least 1), so a place is always left for another owner's
+    # first shard while one owner's backlog fills the worker.
+    owner_shard_slots: int | None = Field(None, ge=1, le=256)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # torch's intra-op threads in the worker's engine (``EngineConfig.cpu_threads``). Unset: the
     # CPUs the process may use (its affinity and its cgroup's CPU quota, so a pod's CPU limit),
@@ -318,6 +337,13 @@ class Settings(BaseSettings):
         home = self.home_dir
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
         return home
+
+    @property
+    def shard_slots_per_owner(self) -> int:
+        """``owner_shard_slots``, or its default from ``worker_concurrency``."""
+        if self.owner_shard_slots is not None:
+            return self.owner_shard_slots
+        return max(1, self.worker_concurrency - 1)
 
     def input_limits(self) -> InputLimits:
         return InputLimits(

@@ -26,7 +26,7 @@ from sqlalchemy.exc import OperationalError as DBError
 from tqdm.auto import tqdm
 
 from worker.batchio.records import InputError, InputFormat
-from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
+from worker.broker.queues import BrokerUnavailable, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
 from worker.entrypoints.client import Client, JobFailed, JobNotFinished
 from worker.jobs.catalog import is_declared
@@ -277,7 +277,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     finally:
         ctx.close()
     prefix = settings.queue_prefix
-    queues = f"{queue_name(ctx.model, prefix)},{intake_queue_name(prefix)},{submit_queue_name(prefix)}"
+    queues = f"{queue_name(ctx.model, prefix)},{submit_queue_name(prefix)}"  # (intake: a lane of its own)
     app = create_app(settings)
     argv = [
         "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={queues}",

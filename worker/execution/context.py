@@ -28,6 +28,7 @@ from worker.core.settings import ConfigError, Settings, redact_url
 from worker.execution.cold_start import ColdStart, ModelLoad
 from worker.execution.dependency_gate import DependencyGate
 from worker.execution.engine_host import EngineHost, HostStats
+from worker.execution.owner_slots import OwnerSlots
 from worker.execution.process_state import Phase, ProcessState
 from worker.jobs import object_keys
 from worker.jobs.model_names import canonical_model, check_served_name
@@ -88,6 +89,8 @@ class WorkerContext:
     gate: DependencyGate = field(init=False, repr=False)
     state: ProcessState = field(default_factory=ProcessState, repr=False)
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The shards each owner runs in this process (``execution/shard_turns.py``).
+    owner_slots: OwnerSlots = field(init=False, repr=False)
     # The model's load (``host()``) and, once the worker is ready, its cold start by phase
     # (``mark_ready``): the log line and ``conveyor_worker_cold_start_seconds`` read it.
     model_load: ModelLoad | None = field(default=None, repr=False)
@@ -99,6 +102,7 @@ class WorkerContext:
     def __post_init__(self) -> None:
         checks = {DATABASE: self._check_database, STORAGE: self.store.check}
         self.gate = DependencyGate(checks, backoff_max=self.settings.dependency_backoff_max_seconds)
+        self.owner_slots = OwnerSlots(self.settings.shard_slots_per_owner)
 
     def _check_database(self) -> None:
         with self.db.connect() as conn:

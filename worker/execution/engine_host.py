@@ -9,6 +9,11 @@ input, prompt too long) resolves to a rejected ``Completion``; an exception insi
 fails every in-flight future with ``EngineFailure`` (none is left hanging) and the loop
 goes on with new requests, unless the engine can run no further step (``EngineDeadError``,
 a tensor-parallel rank died): then the process exits, as after a crash.
+
+Requests reach the engine through a ``FairFeed``: the loop holds them and passes them on
+while the engine has fewer unfinished sequences than its ``max_num_seqs``, the next one from
+the owner with the fewest in the engine, so one owner's backlog never stands in the
+engine's queue ahead of another owner's first request.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from engine import EngineConfig, EngineDeadError, LLMEngine, RequestOutput, SamplingParams
 from worker.core.periodic import Periodic
+from worker.execution.fair_feed import FairFeed, OwnerLoad
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,8 @@ class HostStats:
     submitted: int
     finished: int
     updated_at: float  # time.time() of the engine stats
+    # Per owner with work: requests in the engine and requests held for it (``FairFeed``).
+    owners: tuple[OwnerLoad, ...] = ()
 
 
 @dataclass
@@ -107,6 +115,7 @@ class _Submission:
     priority: int
     deadline: float | None
     on_done: Callable[[RequestHandle], None] | None
+    owner: str = ""
 
 
 @dataclass
@@ -146,6 +155,11 @@ class EngineHost:
         self._ids = itertools.count()
         self._prefix = f"h{os.getpid()}-{id(self) & 0xFFFF:x}-"
         self._live: dict[str, _Live] = {}  # loop thread only
+        self._feed: FairFeed[_Submission] = FairFeed()  # loop thread only
+        # How many sequences (a request's ``n`` samples each) the engine holds at once: its
+        # running batch; more requests wait in the feed.
+        self._window: int | None = getattr(getattr(engine, "config", None), "max_num_seqs", None)
+        self._live_seqs = 0
         self._submitted = 0
         self._finished = 0
         self._stats = HostStats(None, 0, 0, 0, 0.0)
@@ -180,12 +194,14 @@ class EngineHost:
         deadline: float | None = None,
         tag: Any = None,
         on_done: Callable[[RequestHandle], None] | None = None,
+        owner: str = "",
     ) -> RequestHandle:
         """Queue a request for the engine; ``on_done(handle)`` runs (on the loop thread)
         once its future is resolved. Never blocks on the engine. ``priority`` and
-        ``deadline`` (epoch seconds) are ``LLMEngine.add_request``'s."""
+        ``deadline`` (epoch seconds) are ``LLMEngine.add_request``'s; they order the
+        request among ``owner``'s own (the feed shares the engine between owners)."""
         handle = RequestHandle(f"{self._prefix}{next(self._ids)}", Future(), tag)
-        sub = _Submission(handle, prompt, params, priority, deadline, on_done)
+        sub = _Submission(handle, prompt, params, priority, deadline, on_done, owner)
         with self._cv:
             if self._closing:
                 raise HostClosed("the engine host is shut down")
@@ -237,17 +253,17 @@ class EngineHost:
             pending_aborts = set(aborts)
             self._working_since = time.monotonic()
             for sub in inbox:
-                if sub.handle.request_id in pending_aborts:  # aborted before it ever ran
-                    pending_aborts.discard(sub.handle.request_id)
-                    self._resolve(sub, Completion(sub.handle.request_id, aborted_before_start=True))
-                else:
-                    self._add(sub)
+                self._feed.put(sub.handle.request_id, sub.owner, sub, priority=sub.priority, deadline=sub.deadline)
             for request_id in pending_aborts:
-                if request_id in self._live:
+                held = self._feed.remove(request_id)
+                if held is not None:  # aborted before it ever ran
+                    self._resolve(held, Completion(request_id, aborted_before_start=True))
+                elif request_id in self._live:
                     self._engine_call(self._engine.abort_request, request_id)
+            self._admit()
             if self._engine_has_work():
                 self._step()
-            busy = self._engine_has_work()
+            busy = self._engine_has_work() or bool(len(self._feed))
             self._working_since = None
             self._refresh_stats(force=not busy)
         self._shutdown(inbox)
@@ -276,19 +292,37 @@ class EngineHost:
     def _engine_has_work(self) -> bool:
         return bool(self._engine_call(self._engine.has_unfinished_requests))
 
-    def _add(self, sub: _Submission) -> None:
+    def _admit(self) -> None:
+        """Pass held requests to the engine while it has room, fairly between owners."""
+        while len(self._feed) and (self._window is None or self._live_seqs < self._window):
+            taken = self._feed.pop()
+            assert taken is not None
+            owner, sub = taken
+            if not self._add(sub):
+                self._feed.done(owner)
+
+    def _drop_live(self, request_id: str) -> _Live:
+        entry = self._live.pop(request_id)
+        self._feed.done(entry.submission.owner)
+        self._live_seqs -= entry.submission.params.n
+        return entry
+
+    def _add(self, sub: _Submission) -> bool:
+        """Give the engine ``sub``; False if it was resolved at once (refused or failed)."""
         rid = sub.handle.request_id
         _crash_if_poison(sub.prompt)
         try:
             self._engine.add_request(rid, sub.prompt, sub.params, priority=sub.priority, deadline=sub.deadline)
         except ValueError as exc:
             self._resolve(sub, Completion(rid, rejected=True, error=str(exc)))
-            return
+            return False
         except Exception as exc:
             log.exception("engine.add_request failed")
             self._resolve(sub, EngineFailure(f"the engine failed to take the request: {type(exc).__name__}: {exc}"))
-            return
+            return False
         self._live[rid] = _Live(sub)
+        self._live_seqs += sub.params.n
+        return True
 
     def _step(self) -> None:
         try:
@@ -300,8 +334,8 @@ class EngineHost:
         except Exception as exc:
             log.exception("engine step failed; failing %d in-flight requests", len(self._live))
             failure = EngineFailure(f"the engine failed during a step: {type(exc).__name__}: {exc}")
-            live, self._live = self._live, {}
-            for rid, entry in live.items():
+            for rid in list(self._live):
+                entry = self._drop_live(rid)
                 self._engine_call(self._engine.abort_request, rid)
                 self._resolve(entry.submission, failure)
             return
@@ -313,7 +347,7 @@ class EngineHost:
                 continue
             live_entry.outputs[out.index] = out
             if len(live_entry.outputs) == live_entry.submission.params.n:
-                del self._live[out.request_id]
+                self._drop_live(out.request_id)
                 ordered = [live_entry.outputs[i] for i in sorted(live_entry.outputs)]
                 self._resolve(live_entry.submission, Completion(out.request_id, ordered))
 
@@ -336,12 +370,15 @@ class EngineHost:
             return
         self._stats_at = t
         engine_stats = self._engine_call(self._engine.stats)
+        owners = tuple(self._feed.loads())
         with self._cv:
-            self._stats = HostStats(engine_stats, len(self._live), self._submitted, self._finished, time.time())
+            self._stats = HostStats(
+                engine_stats, len(self._live) + len(self._feed), self._submitted, self._finished, time.time(), owners
+            )
 
     def _shutdown(self, inbox: list[_Submission]) -> None:
         closed = HostClosed("the engine host shut down before the request finished")
-        for sub in inbox:
+        for sub in [*inbox, *self._feed.drain()]:
             self._resolve(sub, closed)
         live, self._live = self._live, {}
         for entry in live.values():

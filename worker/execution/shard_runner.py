@@ -99,10 +99,12 @@ class _Order:
     """What orders a job's items in the engine: the job's priority, and its deadline (its
     ``expires_at``, created_at + completion window; None for a job without one). Under the
     worker's default ``priority`` policy the priority comes first and the deadline breaks
-    ties, so among jobs of equal priority the one due soonest is served first."""
+    ties, so among jobs of equal priority the one due soonest is served first; but only
+    among one owner's jobs: the engine host's ``FairFeed`` takes turns between owners first."""
 
     priority: int
     deadline: float | None
+    owner: str = ""  # the job's API key id ("" for none): the engine host shares the engine between owners
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,9 @@ class ShardRunner:
         with LeaseKeeper(ctx, self.job_id, self.index, self.owner) as keeper:
             try:
                 status = self._call(
-                    lambda: self._work(job.status, _Order(job.priority, job.expires_at), shard, keeper),
+                    lambda: self._work(
+                        job.status, _Order(job.priority, job.expires_at, job.owner or ""), shard, keeper
+                    ),
                     keeper.lost.is_set,
                     holding=True,
                 )
@@ -415,6 +419,7 @@ class ShardRunner:
                 deadline=order.deadline,
                 tag=req,
                 on_done=finished.put,
+                owner=order.owner,
             )
             self._handles[handle.request_id] = handle
         pieces = TokenPieces(host.tokenizer)

@@ -18,6 +18,7 @@ from worker.jobs.catalog import declared_models
 from worker.metrics.cold_start_collector import ColdStartCollector
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.engine_collector import EngineCollector
+from worker.metrics.fair_share_collector import FairShareCollector
 from worker.metrics.item_metrics import ItemMetrics
 from worker.metrics.registry import new_registry
 from worker.metrics.server import MetricsServer
@@ -33,6 +34,7 @@ class WorkerMetrics:
         self.registry = new_registry()
         self.items = ItemMetrics(self.registry, ctx.model)
         self.registry.register(EngineCollector(ctx.host_stats, ctx.model))
+        self.registry.register(FairShareCollector(ctx.host_stats, ctx.model))
         self.registry.register(ColdStartCollector(lambda: ctx.cold_start, ctx.model))
         self._db = metrics_db_engine(s.database)
         self.registry.register(

@@ -1,0 +1,83 @@
+"""Which waiting shard of a model runs next: fair between owners, across the fleet.
+
+A shard message is a turn to run one of its model's pending shards, not necessarily the one
+it names (every pending shard has a message of its own, so the turns add up). The turn goes
+to the owner (the job's API key id; ``""`` for jobs without one) with the fewest shards of
+the model running now on any worker, among those with shards pending and not at their limit
+in this worker (``full``); between owners equally served, the one whose oldest waiting job
+is oldest. Within that owner: fewer failed attempts first (a shard just retried waits its
+turn behind the others), then the job's priority (lower first), its deadline (the
+completion window orders one owner's jobs only), its age, and the shard's index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+
+from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    job_id: str
+    shard_index: int
+    owner: str
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The shard to run (None: none may run here now) and how many owners have shards pending."""
+
+    choice: ShardChoice | None
+    waiting_owners: int
+
+
+def next_shard(db: Engine, model: str, *, full: Collection[str] = ()) -> Pick:
+    """The pending shard of ``model`` whose turn it is, skipping the owners in ``full``."""
+    waiting_cond = (
+        Job.model == model,
+        Job.status == JobStatus.in_progress,
+        Shard.status == ShardStatus.pending,
+    )
+    with db.connect() as conn:
+        waiting = {
+            owner or "": oldest
+            for owner, oldest in conn.execute(
+                select(Job.owner, func.min(Job.created_at)).join(Shard, Shard.job_id == Job.id).where(*waiting_cond)
+                .group_by(Job.owner)
+            )
+        }  # fmt: skip
+        candidates = [owner for owner in waiting if owner not in full]
+        if not candidates:
+            return Pick(None, len(waiting))
+        running: dict[str, int] = {}
+        for owner, count in conn.execute(
+            select(Job.owner, func.count()).join(Shard, Shard.job_id == Job.id)
+            .where(Job.model == model, Shard.status == ShardStatus.running, Shard.lease_expires_at > now())
+            .group_by(Job.owner)
+        ):  # fmt: skip
+            running[owner or ""] = running.get(owner or "", 0) + int(count)
+        owner = min(candidates, key=lambda o: (running.get(o, 0), waiting[o], o))
+        row = conn.execute(
+            select(Shard.job_id, Shard.shard_index).join(Job, Shard.job_id == Job.id)
+            .where(*waiting_cond, Job.owner == owner if owner else Job.owner.is_(None))
+            .order_by(
+                Shard.failures, Job.priority, Job.expires_at.is_(None), Job.expires_at, Job.created_at,
+                Shard.shard_index,
+            )
+            .limit(1)
+        ).one_or_none()  # fmt: skip
+    if row is None:  # taken meanwhile
+        return Pick(None, len(waiting))
+    return Pick(ShardChoice(row.job_id, row.shard_index, owner), len(waiting))
+
+
+def job_owner(db: Engine, job_id: str) -> str:
+    """The owner of ``job_id`` (``""`` for none, or no such job)."""
+    with db.connect() as conn:
+        owner = conn.execute(select(Job.owner).where(Job.id == job_id)).scalar_one_or_none()
+    return owner or ""
