@@ -94,7 +94,7 @@ def test_a_failed_attempt_is_sent_again_without_a_delay_header(embedded_stack, m
     def failing(ctx, job_id: str, shard_index: int):
         raise RetryShard("engine exploded", attempts=1)
 
-    monkeypatch.setattr(tasks, "run_shard", failing)
+    monkeypatch.setattr(tasks, "run_next_shard", failing)
     monkeypatch.setattr(tasks, "RETRY_BACKOFF", (0.3,))
     settings = embedded_stack.settings
     settings.ensure_home()
