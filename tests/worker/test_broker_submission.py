@@ -1,4 +1,4 @@
-"""Broker-level submission and completion announcements, end to end: the README's producer
+"""Broker-level submission and completion announcements, end to end: the docs' producer
 (``examples/broker_producer.py``, plain kombu, no conveyor import) submits jobs by message to
 a real worker subprocess over Redis and RabbitMQ, and hears each job's end on its own queue."""
 
@@ -89,15 +89,15 @@ def jobs_with_key(client: Client, key: str) -> list[Any]:  # rows of the jobs ta
         return list(conn.execute(select(Job).where(Job.idempotency_key == key)).all())
 
 
-def test_the_readme_shows_the_example_producer_as_it_runs() -> None:
-    text = (REPO / "README.md").read_text()
+def test_the_docs_show_the_example_producer_as_it_runs() -> None:
+    text = (REPO / "docs/user-guide/broker.md").read_text()
     marker = "<!-- broker-producer -->"
-    assert marker in text, "the README lost its broker producer"
+    assert marker in text, "docs/user-guide/broker.md lost its broker producer"
     block = re.search(r"```python\n(.*?)```", text[text.index(marker) :], re.S)
     assert block is not None
     example = load_example()
     for function in (example.submit, example.wait_for_end):
-        assert inspect.getsource(function) in block.group(1), f"the README's {function.__name__} is not the example's"
+        assert inspect.getsource(function) in block.group(1), f"the docs' {function.__name__} is not the example's"
     assert "import worker" not in EXAMPLE.read_text() and "from worker" not in EXAMPLE.read_text()
 
 
@@ -155,7 +155,7 @@ def test_a_kombu_producer_submits_twice_and_hears_the_end_once(
 
 
 def test_the_example_script_runs_as_the_readme_shows(pg_amqp_s3_stack, spawn_worker, tmp_path) -> None:
-    """``python examples/broker_producer.py ...`` from the README, as a separate process."""
+    """``python examples/broker_producer.py ...`` from the docs, as a separate process."""
     stack = pg_amqp_s3_stack
     client = Client(stack.settings)
     uri = upload(client, openai_lines(3), key="inputs/script.jsonl")

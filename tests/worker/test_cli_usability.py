@@ -149,7 +149,7 @@ def test_ctrl_c_during_run_names_the_job_and_how_to_get_what_finished(embedded_s
 
 
 def test_debug_shows_the_traceback_behind_a_one_line_error(tmp_path) -> None:
-    """Errors are one line; ``--debug`` (named in the README) raises them with their traceback."""
+    """Errors are one line; ``--debug`` (named in the docs) raises them with their traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env["CONVEYOR_HOME"] = str(tmp_path / "home")
     missing = "batch_" + "0" * 32
@@ -164,4 +164,4 @@ def test_debug_shows_the_traceback_behind_a_one_line_error(tmp_path) -> None:
     assert debug.returncode == 1, debug.stderr
     assert debug.stderr.startswith("Traceback (most recent call last):"), debug.stderr
     assert f"JobNotFound: no job {missing}" in debug.stderr
-    assert "`--debug`" in (REPO / "README.md").read_text()
+    assert "`--debug`" in (REPO / "docs/user-guide/batch-jobs.md").read_text()

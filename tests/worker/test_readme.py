@@ -1,4 +1,4 @@
-"""The README's queued example works as written: its lines are run here, with only the
+"""The docs' queued example (docs/user-guide/batch-jobs.md) works as written: its lines are run here, with only the
 interpreter, CONVEYOR_HOME and the tiny model's path substituted."""
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from worker.core.settings import Settings
 from worker.entrypoints.client import Client
 
 MARKER = "<!-- queued-example -->"
+PAGE = "docs/user-guide/batch-jobs.md"
 
 
 def queued_example() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
-    assert MARKER in text, "the README lost its queued example"
+    text = (REPO / PAGE).read_text()
+    assert MARKER in text, f"{PAGE} lost its queued example"
     block = re.search(r"```bash\n(.*?)```", text[text.index(MARKER) :], re.S)
     assert block is not None
     return [shlex.split(line, comments=True) for line in block.group(1).splitlines() if line.strip()]
 
 
-def test_the_readmes_queued_example_runs_as_written(tiny_model, tmp_path) -> None:
+def test_the_docs_queued_example_runs_as_written(tiny_model, tmp_path) -> None:
     setup, worker, submit, status, results = queued_example()
     assert setup == ["source", ".venv/bin/activate", "&&", "export", "CONVEYOR_HOME=.cache/conveyor"]
     home = tmp_path / "home"

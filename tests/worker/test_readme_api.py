@@ -1,4 +1,4 @@
-"""The README's HTTP API quick start works as written: its shell lines and its Python are run
+"""The docs' HTTP API quick start (docs/user-guide/http-api.md) works as written: its shell lines and its Python are run
 here, with only the interpreter, CONVEYOR_HOME, the tiny model's path and the port swapped."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from tests.worker.api_server import free_port
 from tests.worker.helpers import REPO, _die_with_parent
 
 MARKER = "<!-- api-example -->"
+PAGE = "docs/user-guide/http-api.md"
 
 
 def api_example() -> tuple[list[list[str]], str]:
-    text = (REPO / "README.md").read_text()
-    assert MARKER in text, "the README lost its API example"
+    text = (REPO / PAGE).read_text()
+    assert MARKER in text, f"{PAGE} lost its API example"
     rest = text[text.index(MARKER) :]
     shell = re.search(r"```bash\n(.*?)```", rest, re.S)
     python = re.search(r"```python\n(.*?)```", rest, re.S)
@@ -29,7 +30,7 @@ def api_example() -> tuple[list[list[str]], str]:
     return lines, python.group(1)
 
 
-def test_the_readmes_api_quick_start_runs_as_written(tiny_model, tmp_path) -> None:
+def test_the_docs_api_quick_start_runs_as_written(tiny_model, tmp_path) -> None:
     (setup, keys, worker, serve), code = api_example()
     assert setup == ["source", ".venv/bin/activate", "&&", "export", "CONVEYOR_HOME=.cache/conveyor"]
     assert keys[-2:] == [">", "alice.key"] and serve == ["conveyor", "serve"]
