@@ -61,7 +61,8 @@ def test_the_settings_page_names_the_fields_without_a_comment(monkeypatch) -> No
 def test_the_cli_page_holds_every_commands_help() -> None:
     page = hook().cli_page()
     parser = build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert isinstance(commands, dict)
     for name in commands:
         assert f"## `conveyor {name}`" in page, name
     assert "### `conveyor keys create`" in page and "### `conveyor db upgrade`" in page

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -11,17 +10,12 @@ from typing import Any
 import openai
 import uvicorn
 
+from tests.worker.services import free_port
 from worker.api.app import create_app
 from worker.core.settings import Settings
 from worker.store.api_keys import create_key
 from worker.store.database import create_db_engine
 from worker.store.schema import ensure_schema
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ApiServer:
