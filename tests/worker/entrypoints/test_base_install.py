@@ -7,9 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.worker.helpers import REPO
 from worker.entrypoints import cli
 from worker.store.models import JobStatus
+
+pytestmark = pytest.mark.subprocess  # each test runs conveyor in a fresh interpreter
 
 HIDE = """
 import sys
