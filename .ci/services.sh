@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start PostgreSQL, Redis and RabbitMQ if they are installed here but not answering; on CI
 # (CI=true), install Prometheus if it is missing: the autoscaling system test
-# (tests/worker/test_autoscaling.py) starts a server of its own from that binary.
+# (tests/worker/entrypoints/test_autoscaling.py) starts a server of its own from that binary.
 up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 if ! up 5432 && command -v pg_ctlcluster >/dev/null; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true

@@ -231,10 +231,6 @@ class GrammarMatcher:
         self.num_tokens += 1
         return m.is_stopped()
 
-    @property
-    def accepting(self) -> bool:
-        return self.matcher.is_accepting()
-
 
 class Constrained(Protocol):
     """What a batch row needs for masking (an ``engine.request.Request``)."""

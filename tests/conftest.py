@@ -35,3 +35,10 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark what is not pure (services, subprocess, gpu, slow): ``tests/markers.py`` decides."""
+    from tests.markers import apply
+
+    apply(items)

@@ -2,7 +2,7 @@
 # The slim CPU image: the API server (`conveyor serve`), the migration job (`conveyor db
 # upgrade`) and CPU workers (`conveyor worker`). Build from the repository root:
 #
-#   docker build -f infra/docker/cpu.Dockerfile -t conveyor:0.1.0 .
+#   docker build -f infra/docker/cpu.Dockerfile -t conveyor:0.2.0 .
 #
 # Two stages: `build` installs the CPU torch wheel and the package into /opt/venv; the
 # runtime stage copies only that venv onto a clean base (no compiler, no pip cache).

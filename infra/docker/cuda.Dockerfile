@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # The CUDA image for GPU workers (`conveyor worker`). Build from the repository root:
 #
-#   docker build -f infra/docker/cuda.Dockerfile -t conveyor-cuda:0.1.0 .
+#   docker build -f infra/docker/cuda.Dockerfile -t conveyor-cuda:0.2.0 .
 #
 # The base is NVIDIA's CUDA `base` flavour (the CUDA runtime and the environment the NVIDIA
 # container toolkit reads), not `runtime`: torch's CUDA wheel ships its own cuBLAS, cuDNN and

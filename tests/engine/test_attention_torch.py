@@ -12,7 +12,7 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from kernels import reference
 from kernels.utils import cdiv
-from tests.engine.conftest import spy
+from tests.engine.helpers import spy
 from tests.engine.reference import assert_outputs_match
 
 

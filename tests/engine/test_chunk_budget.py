@@ -11,10 +11,8 @@ import pytest
 from engine import EngineConfig
 from engine.chunk_budget import PrefillChunkController, make_chunk_controller
 from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from tests.engine.conftest import record_steps
+from tests.engine.helpers import make_request, record_steps
 from tests.engine.reference import assert_greedy_match, greedy
 
 TARGET = 0.010  # seconds
@@ -123,22 +121,11 @@ def test_bad_controller_settings_raise():
 # ---- the scheduler and the engine hold to the budget --------------------------------------
 
 
-def _req(seq: int, num_prompt: int, max_tokens: int) -> Request:
-    return Request(
-        f"r{seq}",
-        [1000 * (seq + 1) + i for i in range(num_prompt)],
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        max_total_tokens=100_000,
-        eos_token_ids=frozenset(),
-        arrival_seq=seq,
-    )
-
-
 def test_the_scheduler_limits_prefill_tokens_but_never_decodes():
     ctl = _controller(floor=8, ceiling=256)
     ctl.budget = 10
     sched = Scheduler(KVCacheManager(256, 4), max_num_seqs=16, max_num_batched_tokens=256, chunk_controller=ctl)
-    decoding = [_req(i, 4, 50) for i in range(5)]
+    decoding = [make_request(i, 4, 50) for i in range(5)]
     for r in decoding:
         sched.add_request(r)
     # Admit the five short prompts (20 prompt tokens: two steps under a budget of 10).
@@ -149,8 +136,8 @@ def test_the_scheduler_limits_prefill_tokens_but_never_decodes():
             if r.num_computed_tokens == r.num_tokens:
                 r.append_token(7)
     assert all(r.output_token_ids for r in decoding)
-    sched.add_request(_req(9, 100, 1))
-    sched.add_request(_req(10, 30, 1))
+    sched.add_request(make_request(9, 100, 1))
+    sched.add_request(make_request(10, 30, 1))
     for _ in range(6):
         out = sched.schedule()
         plan = dict(zip((r.request_id for r in out.requests), out.num_new_tokens, strict=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.conftest import (
+from tests.engine.helpers import (
     assert_chunked_prefill_steps,
     assert_no_leaks,
     model_case,

@@ -7,7 +7,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.kv_cache import KVCacheManager
 from engine.scheduler import Scheduler
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.helpers import assert_no_leaks
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

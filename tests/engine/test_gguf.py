@@ -17,7 +17,7 @@ import torch
 
 from engine import SamplingParams
 from engine.models.loader import check_checkpoint
-from tests.engine.conftest import model_case
+from tests.engine.helpers import model_case
 from tests.engine.reference import assert_greedy_match, greedy, oracle_model
 
 gguf = pytest.importorskip("gguf")

@@ -7,24 +7,12 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from tests.engine.conftest import assert_no_leaks
-
-
-def _req(rid: str, tokens: list[int], max_tokens: int = 16) -> Request:
-    return Request(
-        rid,
-        tokens,
-        SamplingParams(max_tokens=max_tokens),
-        max_total_tokens=10_000,
-        eos_token_ids=frozenset(),
-        arrival_seq=int(rid.strip("r") or 0),
-    )
+from tests.engine.helpers import assert_no_leaks, make_request
 
 
 def test_blocks_are_allocated_on_demand_and_freed():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
-    r = _req("r1", list(range(10)))
+    r = make_request(1, tokens=list(range(10)), max_tokens=16)
     assert kv.allocate_slots(r, 10)
     assert len(kv.block_ids("r1")) == 3 and kv.num_free_blocks == 5
     r.num_computed_tokens = 10
@@ -42,7 +30,7 @@ def test_blocks_are_allocated_on_demand_and_freed():
 
 def test_blocks_out_of_a_window_are_released_and_the_table_keeps_its_indexing():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
-    r = _req("r1", list(range(14)))
+    r = make_request(1, tokens=list(range(14)), max_tokens=16)
     assert kv.allocate_slots(r, 14)
     table = kv.block_ids("r1")
     assert len(table) == 4 and kv.num_free_blocks == 4
@@ -62,26 +50,26 @@ def test_blocks_out_of_a_window_are_released_and_the_table_keeps_its_indexing():
 
 def test_allocation_fails_cleanly_when_short():
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
-    r = _req("r1", list(range(20)))
+    r = make_request(1, tokens=list(range(20)), max_tokens=16)
     assert not kv.allocate_slots(r, 20)
     assert kv.num_free_blocks == 4 and kv.block_ids("r1") == []
     assert kv.allocate_slots(r, 12, reserve_blocks=1)
-    assert not kv.allocate_slots(_req("r2", [1, 2, 3]), 3, reserve_blocks=1)
+    assert not kv.allocate_slots(make_request(2, tokens=[1, 2, 3], max_tokens=16), 3, reserve_blocks=1)
 
 
 def test_prefix_hit_shares_blocks_and_leaves_the_last_token():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, namespace="m")
-    a = _req("r1", list(range(12)))
+    a = make_request(1, tokens=list(range(12)), max_tokens=16)
     assert kv.get_computed_blocks(a) == ([], 0)
     assert kv.allocate_slots(a, 12)
-    b = _req("r2", [*range(10), 50, 51, 52])
+    b = make_request(2, tokens=[*range(10), 50, 51, 52], max_tokens=16)
     hits, n = kv.get_computed_blocks(b)
     assert n == 8 and [h.block_id for h in hits] == kv.block_ids("r1")[:2]
     assert kv.allocate_slots(b, 13 - 8, hits)
     assert kv.block_ids("r2")[:2] == kv.block_ids("r1")[:2]
     assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("r1")] == [2, 2, 1]
     # An identical prompt: all 3 blocks are cached, but the last token must be computed.
-    c = _req("r3", list(range(12)))
+    c = make_request(3, tokens=list(range(12)), max_tokens=16)
     hits, n = kv.get_computed_blocks(c)
     assert n == 8
     assert kv.stats.queries == 12 + 13 and kv.stats.hits == 8
@@ -90,7 +78,10 @@ def test_prefix_hit_shares_blocks_and_leaves_the_last_token():
 def test_namespaces_never_share():
     pool_a = KVCacheManager(num_blocks=8, block_size=4, namespace="model-a")
     pool_b = KVCacheManager(num_blocks=8, block_size=4, namespace="model-b")
-    ra, rb = _req("r1", list(range(9))), _req("r2", list(range(9)))
+    ra, rb = (
+        make_request(1, tokens=list(range(9)), max_tokens=16),
+        make_request(2, tokens=list(range(9)), max_tokens=16),
+    )
     pool_a.get_computed_blocks(ra)
     pool_b.get_computed_blocks(rb)
     assert ra.block_hashes and set(ra.block_hashes).isdisjoint(rb.block_hashes)
@@ -98,23 +89,23 @@ def test_namespaces_never_share():
 
 def test_freed_cached_blocks_stay_findable_then_evict_in_lru_order_tail_first():
     kv = KVCacheManager(num_blocks=6, block_size=2, enable_caching=True)
-    a = _req("r1", [1, 2, 3, 4, 5, 6, 7])
+    a = make_request(1, tokens=[1, 2, 3, 4, 5, 6, 7], max_tokens=16)
     assert kv.allocate_slots(a, 7)
     a_blocks = kv.block_ids("r1")
     kv.free(a)
     assert kv.num_free_blocks == 6 and kv.num_cached_blocks == 3
     # Still findable after being freed.
-    again = _req("r2", [1, 2, 3, 4, 5, 6, 0])
+    again = make_request(2, tokens=[1, 2, 3, 4, 5, 6, 0], max_tokens=16)
     hits, n = kv.get_computed_blocks(again)
     assert n == 6
     # Fresh allocations take never-used blocks first, then the freed ones, the chain's tail first.
     order = kv.pool.free_queue.block_ids()
     assert len(a_blocks) == 4  # 3 full blocks and a partial one
     assert order == [b for b in range(6) if b not in a_blocks] + a_blocks[::-1]
-    hog = _req("r3", list(range(100, 110)))
+    hog = make_request(3, tokens=list(range(100, 110)), max_tokens=16)
     assert kv.allocate_slots(hog, 10)  # 5 blocks: 2 never used, the partial one, then 2 cached
     assert kv.pool.num_evictions == 2
-    hits, n = kv.get_computed_blocks(_req("r4", [1, 2, 3, 4, 5, 6, 0]))
+    hits, n = kv.get_computed_blocks(make_request(4, tokens=[1, 2, 3, 4, 5, 6, 0], max_tokens=16))
     assert n == 2 and hits[0].block_id == a_blocks[0]  # the head of the chain is the last to go
     kv.free(hog)
 

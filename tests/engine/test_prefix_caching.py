@@ -12,7 +12,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from kernels.utils import cdiv
-from tests.engine.conftest import assert_no_leaks, model_case
+from tests.engine.helpers import assert_no_leaks, model_case
 from tests.engine.reference import assert_outputs_match
 
 SYSTEM = "Seven guests wait at the table and the waiter pours cold water while the kitchen"

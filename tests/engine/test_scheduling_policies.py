@@ -9,21 +9,8 @@ import pytest
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-
-
-def _req(seq: int, num_prompt: int, max_tokens: int = 1, *, tokens: list[int] | None = None, **kw) -> Request:
-    ids = tokens if tokens is not None else [1000 * (seq + 1) + i for i in range(num_prompt)]
-    return Request(
-        f"r{seq}",
-        ids,
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        max_total_tokens=100_000,
-        eos_token_ids=frozenset(),
-        arrival_seq=seq,
-        **kw,
-    )
+from tests.engine.helpers import make_request
 
 
 def _sched(policy: str, *, num_blocks: int = 256, max_num_seqs: int = 1, **kw) -> Scheduler:
@@ -71,12 +58,12 @@ def _run(sched: Scheduler, reqs: list[Request]) -> tuple[list[str], dict[str, in
 def test_srpf_admits_the_shortest_remaining_prefill_first_counting_cached_tokens():
     sched = _sched("srpf")
     prefix = list(range(1, 33))  # 8 blocks of 4
-    _run(sched, [_req(0, 0, tokens=[*prefix, 99])])  # leaves the prefix in the cache
-    long_but_cached = _req(3, 0, tokens=[*prefix, *range(200, 208)])  # 40 tokens, 8 to compute
-    reqs = [_req(1, 16), _req(2, 12), long_but_cached, _req(4, 4)]
+    _run(sched, [make_request(0, 0, tokens=[*prefix, 99])])  # leaves the prefix in the cache
+    long_but_cached = make_request(3, 0, tokens=[*prefix, *range(200, 208)])  # 40 tokens, 8 to compute
+    reqs = [make_request(1, 16), make_request(2, 12), long_but_cached, make_request(4, 4)]
     admitted, _ = _run(sched, reqs)
     assert admitted == ["r4", "r3", "r2", "r1"]  # remaining 4, 8, 12, 16
-    fcfs, _ = _run(_sched("fcfs"), [_req(1, 16), _req(2, 12), _req(3, 40), _req(4, 4)])
+    fcfs, _ = _run(_sched("fcfs"), [make_request(1, 16), make_request(2, 12), make_request(3, 40), make_request(4, 4)])
     assert fcfs == ["r1", "r2", "r3", "r4"]
 
 
@@ -85,10 +72,10 @@ def test_srpf_aging_bounds_how_long_a_long_prompt_waits(aging_steps):
     """A long prompt queued first, and a short one arriving every step: without aging the
     long one never runs; with it, it is admitted at exactly the ``aging_steps``-th step."""
     sched = _sched("srpf", srpf_aging_steps=aging_steps)
-    sched.add_request(_req(0, 40))
+    sched.add_request(make_request(0, 40))
     admitted: list[str] = []
     for seq in range(1, 60):
-        sched.add_request(_req(seq, 4))
+        sched.add_request(make_request(seq, 4))
         _step(sched, admitted)
         if "r0" in admitted:
             break
@@ -99,17 +86,17 @@ def test_srpf_aging_bounds_how_long_a_long_prompt_waits(aging_steps):
 def test_srpf_without_aging_starves_the_long_prompt():
     """What the aging bound is for: the same stream with an unreachable bound never admits it."""
     sched = _sched("srpf", srpf_aging_steps=10**9)
-    sched.add_request(_req(0, 40))
+    sched.add_request(make_request(0, 40))
     admitted: list[str] = []
     for seq in range(1, 60):
-        sched.add_request(_req(seq, 4))
+        sched.add_request(make_request(seq, 4))
         _step(sched, admitted)
     assert "r0" not in admitted and len(admitted) == 59
 
 
 def test_srpf_removes_aborted_requests():
     sched = _sched("srpf")
-    a, b = _req(0, 8), _req(1, 4)
+    a, b = make_request(0, 8), make_request(1, 4)
     sched.add_request(a)
     sched.add_request(b)
     sched.finish(b, RequestStatus.FINISHED_ABORTED)
@@ -124,9 +111,9 @@ def test_srpf_removes_aborted_requests():
 def _deadline_case() -> list[Request]:
     # One at a time, each 1 step per output token: A takes 10 steps, B and C 5 each.
     return [
-        _req(0, 4, 10, deadline=30.0),  # A, first to arrive, due last
-        _req(1, 4, 5, deadline=6.0),  # B
-        _req(2, 4, 5, deadline=12.0),  # C
+        make_request(0, 4, 10, deadline=30.0),  # A, first to arrive, due last
+        make_request(1, 4, 5, deadline=6.0),  # B
+        make_request(2, 4, 5, deadline=12.0),  # C
     ]
 
 
@@ -146,11 +133,11 @@ def test_edf_meets_every_deadline_that_fcfs_misses():
 
 def test_edf_puts_requests_without_a_deadline_last_then_orders_by_priority():
     reqs = [
-        _req(0, 4),
-        _req(1, 4, deadline=2e9),
-        _req(2, 4, deadline=1e9, priority=5),
-        _req(3, 4, deadline=1e9, priority=1),
-        _req(4, 4, priority=-3),
+        make_request(0, 4),
+        make_request(1, 4, deadline=2e9),
+        make_request(2, 4, deadline=1e9, priority=5),
+        make_request(3, 4, deadline=1e9, priority=1),
+        make_request(4, 4, priority=-3),
     ]
     admitted, _ = _run(_sched("edf"), reqs)
     assert admitted == ["r3", "r2", "r1", "r4", "r0"]
@@ -161,7 +148,7 @@ def test_edf_preempts_the_latest_deadline_first():
     though under FCFS the newest (here the one due sooner) would be."""
 
     def case() -> list[Request]:
-        return [_req(0, 8, 24, deadline=100.0), _req(1, 8, 24, deadline=50.0)]
+        return [make_request(0, 8, 24, deadline=100.0), make_request(1, 8, 24, deadline=50.0)]
 
     for policy, victim in (("edf", "r0"), ("fcfs", "r1")):
         reqs = case()
@@ -175,11 +162,11 @@ def test_edf_preempts_the_latest_deadline_first():
 
 def test_priority_breaks_ties_by_deadline():
     reqs = [
-        _req(0, 4, priority=1, deadline=1.0),  # most urgent, but less important
-        _req(1, 4, priority=0),  # no deadline: after its equals that have one
-        _req(2, 4, priority=0, deadline=9.0),
-        _req(3, 4, priority=0, deadline=3.0),
-        _req(4, 4, priority=0),
+        make_request(0, 4, priority=1, deadline=1.0),  # most urgent, but less important
+        make_request(1, 4, priority=0),  # no deadline: after its equals that have one
+        make_request(2, 4, priority=0, deadline=9.0),
+        make_request(3, 4, priority=0, deadline=3.0),
+        make_request(4, 4, priority=0),
     ]
     admitted, _ = _run(_sched("priority"), reqs)
     assert admitted == ["r3", "r2", "r1", "r4", "r0"]

@@ -22,7 +22,7 @@ from engine.spec_decode import verifier
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import ngram_proposal
 from engine.testing import build_truncated_draft
-from tests.engine.conftest import record_steps
+from tests.engine.helpers import record_steps
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -23,7 +23,7 @@ from engine.attention.torch_backend import TorchAttention
 from engine.attention.triton_backend import TritonAttention, triton_available
 from kernels.interpreter import kernel_device, kernels_interpreted
 from kernels.utils import cdiv
-from tests.engine.conftest import assert_chunked_prefill_steps, record_steps, spy
+from tests.engine.helpers import assert_chunked_prefill_steps, record_steps, spy
 from tests.engine.reference import TIE_MARGIN, assert_outputs_match, greedy
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")

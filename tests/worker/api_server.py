@@ -3,26 +3,26 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import openai
+import pytest
 import uvicorn
 
+from tests.worker.api_batches import MODEL
+from tests.worker.helpers import jsonl
+from tests.worker.services import free_port
 from worker.api.app import create_app
 from worker.api.http_server import uvicorn_options
 from worker.core.settings import Settings
 from worker.store.api_keys import create_key
 from worker.store.database import create_db_engine
+from worker.store.models import WorkerState
 from worker.store.schema import ensure_schema
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from worker.store.workers import register_worker, set_worker_state
 
 
 class ApiServer:
@@ -72,3 +72,36 @@ class ApiServer:
             return create_key(db, name)[1]
         finally:
             db.dispose()
+
+
+@pytest.fixture
+def serve():
+    """``serve(stack, **setting overrides)`` starts the API on a free port; stopped after."""
+    servers: list[ApiServer] = []
+
+    def start(stack, *, insecure: bool = False, **overrides: Any) -> ApiServer:
+        server = ApiServer(stack.with_values(**overrides).settings, insecure=insecure).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[ApiServer]:
+    """The API over an embedded stack (or the stack a test names with ``@pytest.mark.parametrize``
+    through ``indirect``), with a live worker registered for MODEL."""
+    overrides: dict[str, Any] = getattr(request, "param", {})
+    stack = request.getfixturevalue("embedded_stack").with_values(**overrides)
+    api = ApiServer(stack.settings).start()
+    db = create_db_engine(stack.settings.database)
+    set_worker_state(db, register_worker(db, MODEL, "q", checkpoint=stack.model), WorkerState.ready)
+    db.dispose()
+    yield api
+    api.stop()
+
+
+def upload(client: openai.OpenAI, rows: list[Any], name: str = "in.jsonl", purpose: str = "batch") -> str:
+    return client.files.create(file=(name, jsonl(rows)), purpose=purpose).id  # type: ignore[arg-type]  # (a purpose the SDK's Literal may not list)

@@ -7,26 +7,14 @@ A service that is down skips its tests with a loud reason; with ``CI=true`` it f
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
-from typing import NoReturn
 
 import pytest
 
-# The machine's PostgreSQL; the standard libpq variables may point elsewhere.
-PG_HOST = os.environ.get("PGHOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("PGPORT", "5432"))
-PG_DB = os.environ.get("PGDATABASE", "test")
-PG_USERS = tuple(filter(None, (os.environ.get("PGUSER"), "postgres", "root")))
-
-
-def service_down(name: str, detail: str) -> NoReturn:
-    message = f"SERVICE DOWN: {name} is not available ({detail})"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{message}; CI=true requires it", pytrace=False)
-    pytest.skip(f"{message}; start it (e.g. `bash .ci/services.sh`) to run these tests")
-
+# The API server fixtures every layer's tests may ask for (pytest finds fixtures by name here).
+from tests.worker.api_server import serve, server  # noqa: F401 - fixtures, used by name
+from tests.worker.services import AMQP_URL, PG_DB, PG_HOST, PG_PORT, PG_USERS, REDIS_URL, free_port, service_down
 
 # ---- PostgreSQL: a fresh schema per test ------------------------------------------------
 
@@ -83,26 +71,20 @@ def db_engine(db_url: str):
 # ---- S3 through moto's server (real HTTP) -------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     try:
         from moto.server import ThreadedMotoServer
     except ImportError as exc:
         service_down("moto server (pip install 'moto[server]')", str(exc))
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     try:
-        server.start()
+        moto.start()
     except Exception as exc:
         service_down("moto S3 server", repr(exc))
     yield f"http://127.0.0.1:{port}"
-    server.stop()
+    moto.stop()
 
 
 @pytest.fixture
@@ -168,9 +150,6 @@ def store(request: pytest.FixtureRequest, tmp_path):
 
 
 # ---- brokers: Redis and RabbitMQ, isolated per test --------------------------------------
-
-REDIS_URL = os.environ.get("CONVEYOR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-AMQP_URL = os.environ.get("CONVEYOR_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 @pytest.fixture

@@ -263,3 +263,8 @@ def scrape(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> Scrape:
     """GET ``http://host:port/metrics`` and parse it."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as resp:
         return Scrape.parse(resp.read().decode(), resp.status, resp.headers.get("Content-Type", ""))
+
+
+# Engine arguments that make a tiny model's job take a while (one sequence at a time), so that a
+# test can act on it while it runs.
+SLOW_ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 1}

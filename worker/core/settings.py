@@ -76,34 +76,54 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore", frozen=True)
 
+    # Where the embedded database, broker, objects and model cache live when no server is named.
     home: Path = Field(default_factory=lambda: Path("~/.conveyor"))
 
-    # Services. None -> the embedded default under `home` (see the properties below).
-    database_url: str | None = None
-    broker_url: str | None = None
-    storage_url: str | None = None
-    storage_endpoint_url: str | None = None  # else boto3 reads AWS_ENDPOINT_URL itself
+    # Services: unset, each is the embedded default under ``home`` (see the properties below).
 
-    # Limits on user-provided sizes and counts.
-    # (defaults in ``worker.core.limits``; these fields only add the bounds an operator may set)
+    # The SQLAlchemy URL of the database (PostgreSQL in production); unset: SQLite under home.
+    database_url: str | None = None
+    # The Celery broker URL (redis://, amqp://, sqs://); unset: kombu's SQLAlchemy transport on SQLite.
+    broker_url: str | None = None
+    # The object store: s3://bucket/prefix on any S3-compatible store; unset: a directory under home.
+    storage_url: str | None = None
+    # The S3 endpoint for a non-AWS store; unset: boto3 reads AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL itself.
+    storage_endpoint_url: str | None = None
+
+    # Limits on user-provided sizes and counts (defaults in ``worker.core.limits``; these fields
+    # only add the bounds an operator may set).
+
+    # The largest input file a job may have, in bytes (a bigger one fails the job as a whole).
     max_input_bytes: int = Field(DEFAULT_LIMITS.max_input_bytes, ge=1)
+    # The most lines (requests) one job's input may hold.
     max_lines_per_job: int = Field(DEFAULT_LIMITS.max_lines, ge=1)
+    # The longest input line, in bytes; a longer one is that line's error.
     max_line_bytes: int = Field(DEFAULT_LIMITS.max_line_bytes, ge=64)
+    # The longest ``custom_id``, in characters (at most the database column's 512).
     max_custom_id_chars: int = Field(DEFAULT_LIMITS.max_custom_id_chars, ge=1, le=MAX_CUSTOM_ID_CHARS)
+    # The largest ``max_tokens`` (or ``max_completion_tokens``) a request may ask for.
     max_tokens: int = Field(DEFAULT_LIMITS.max_tokens, ge=1)
+    # The ``max_tokens`` of a request that names none (at most ``max_tokens``).
     default_max_tokens: int = Field(DEFAULT_LIMITS.default_max_tokens, ge=1)
+    # The largest ``n`` (samples per request).
     max_n: int = Field(DEFAULT_LIMITS.max_n, ge=1, le=64)
+    # The largest ``logprobs``/``top_logprobs`` (alternatives per token).
     max_logprobs: int = Field(DEFAULT_LIMITS.max_logprobs, ge=0, le=20)
+    # The most ``stop`` strings per request (OpenAI allows 4).
     max_stop_sequences: int = Field(DEFAULT_LIMITS.max_stop_sequences, ge=0, le=32)
+    # The most ``stop_token_ids`` per request.
     max_stop_token_ids: int = Field(DEFAULT_LIMITS.max_stop_token_ids, ge=0, le=1024)
+    # The most ``logit_bias`` entries per request.
     max_logit_bias: int = Field(DEFAULT_LIMITS.max_logit_bias, ge=0, le=1024)
+    # The most chat ``messages`` per request.
     max_messages: int = Field(DEFAULT_LIMITS.max_messages, ge=1)
+    # The largest shard a submitter may ask for (``--shard-size``), in requests.
     max_shard_size: int = Field(10_000, ge=1)
+    # The largest job ``priority`` a submitter may give (lower runs first).
     max_priority: int = Field(1000, ge=0)
-    # The HTTP API (``conveyor serve``): the largest file ``POST /v1/files`` takes (a bigger
-    # one is answered 413 and nothing of it is kept), and how many uploads stream at once
-    # (one more is answered 429; the SDK retries it).
+    # The largest file ``POST /v1/files`` takes; a bigger one is answered 413 and nothing of it is kept.
     max_upload_bytes: int = Field(DEFAULT_MAX_UPLOAD_BYTES, ge=1)
+    # How many uploads stream at once; one more is answered 429 (the SDK retries it).
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
     # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
     upload_idle_timeout_seconds: float = Field(60.0, gt=0)
@@ -139,93 +159,98 @@ class Settings(BaseSettings):
     quota_files: int = Field(10_000, ge=1)
 
     # Sharding, leases and write batching.
+
+    # Requests per shard when the submitter names no ``--shard-size``.
     shard_size: int = Field(256, ge=1)
+    # How long a shard's lease lasts without a heartbeat before another worker may take it over.
     lease_seconds: float = Field(60.0, gt=0)
+    # How often a worker renews its leases and its registry row (at most half of ``lease_seconds``).
     heartbeat_seconds: float = Field(10.0, gt=0)
+    # Finished items written to the database per transaction, at most.
     item_commit_batch: int = Field(64, ge=1, le=10_000)
+    # Finished items wait at most this long before they are written.
     item_commit_interval_seconds: float = Field(0.5, gt=0)
+    # How often a running shard records its progress for ``status``.
     snapshot_interval_seconds: float = Field(5.0, gt=0)
+    # The part size of multipart uploads of results files to S3 (5 MiB to 5 GiB, S3's bounds).
     multipart_part_bytes: int = Field(8 * MiB, ge=5 * MiB, le=5 * GiB)
 
-    # The worker: which model it serves, how many shard tasks it runs at once (threads),
-    # and the engine's options (``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}').
+    # The worker.
+
+    # The model a worker serves (``conveyor worker --model``): a hub id, a directory or an s3:// prefix.
     model: str | None = None
-    # The public name a worker serves its model under (``conveyor worker --served-model-name``):
-    # jobs name it (an API batch's ``body.model``) and its queue is named from it.
+    # The public name a worker serves its model under (jobs name it; its queue is named from it).
     served_model_name: str | None = None
-    # The deployment's catalog (``worker.core.catalog``): the model names it serves, separated by
-    # commas (or a JSON list). Work for a declared model is accepted while no worker runs (an
-    # autoscaler starts one on the demand the metrics report for it, 0 when idle), and
-    # ``GET /v1/models`` lists them whether or not a worker is up.
+    # The deployment's catalog: model names served, comma-separated; accepted while no worker runs.
     models: Annotated[tuple[str, ...], NoDecode] = ()
-    queue_prefix: str = "conveyor"  # queue name = <prefix>-<model slug>
+    # The prefix of every queue name: a model's queue is <prefix>-<model slug>.
+    queue_prefix: str = "conveyor"
+    # Shard tasks a worker runs at once (threads sharing its one engine).
     worker_concurrency: int = Field(4, ge=1, le=256)
     # The most shards of one owner (API key) a worker runs at once. Unset: one less than
     # ``worker_concurrency`` (at least 1), so a place is always left for another owner's
     # first shard while one owner's backlog fills the worker.
     owner_shard_slots: int | None = Field(None, ge=1, le=256)
+    # The worker engine's options: ``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}'.
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    # torch's intra-op threads in the worker's engine (``EngineConfig.cpu_threads``). Unset: the
-    # CPUs the process may use (its affinity and its cgroup's CPU quota, so a pod's CPU limit),
-    # tuned down on CPU while a busy neighbour makes fewer threads faster; logged at start.
+    # torch's threads in the worker's engine; unset: the CPUs the process may use, tuned on CPU.
     cpu_threads: int | None = Field(None, ge=1, le=1024)
 
-    # Weights from an object store (``--model s3://bucket/prefix/``): downloaded once into the
-    # model cache (default: $HF_HOME/conveyor-models when HF_HOME is set, else <home>/models)
-    # with ``model_download_threads`` parallel downloads, refused past ``model_max_files``
-    # files or ``model_max_bytes`` bytes (so a wrong prefix cannot fill the disk), and checked
-    # at each start: ``sha256`` re-hashes every cached file against the manifest written at
-    # download, ``size`` only compares sizes and modification times (faster for huge models).
+    # Weights from an object store (``--model s3://bucket/prefix/``), downloaded once per node.
+
+    # Where s3:// weights are cached; unset: $HF_HOME/conveyor-models when HF_HOME is set, else <home>/models.
     model_cache: Path | None = None
+    # A model prefix holding more objects than this is refused before anything is downloaded.
     model_max_files: int = Field(1000, ge=1, le=1_000_000)
+    # A model prefix holding more bytes than this is refused before anything is downloaded.
     model_max_bytes: int = Field(1024 * GiB, ge=1)
+    # Parallel downloads of a model's files.
     model_download_threads: int = Field(8, ge=1, le=64)
+    # How a cached copy is checked at each start: ``sha256`` re-hashes every file, ``size`` compares sizes and times.
     model_cache_verify: Literal["sha256", "size"] = "sha256"
 
-    # Broker: extra kombu transport options (JSON) and the Redis/SQS visibility timeout.
+    # The broker.
+
+    # Extra kombu transport options as JSON (an SQS region, a Redis global_keyprefix).
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
+    # The Redis/SQS visibility timeout: an unacknowledged message is delivered again after this long.
     broker_visibility_timeout: float = Field(3600.0, gt=0)
     # The largest task message a worker takes (a bigger one is refused and logged, not run).
     max_message_bytes: int = Field(1 * MiB, ge=1024)
 
-    # Fault handling: how often a running shard looks for a cancel, how often each worker
-    # sweeps for shards of dead workers, and how many attempts a failing shard gets (only
-    # attempts that raised in the worker count: not outages, not worker deaths).
+    # Fault handling (see the fault model in the docs).
+
+    # How often a running shard looks for a cancel of its job.
     cancel_poll_seconds: float = Field(1.0, gt=0)
+    # How often each worker sweeps for shards of dead workers, lost messages and expired jobs.
     sweep_interval_seconds: float = Field(15.0, gt=0)
+    # Attempts a failing shard gets; only attempts that raised in the worker count (not outages, not deaths).
     shard_max_attempts: int = Field(3, ge=1, le=100)
-    # A database or storage outage is waited out, not counted: a task holds its shard's
-    # message for up to ``dependency_retry_seconds`` of outage, then hands it back to the
-    # broker (it is delivered again and waits again); a down dependency is checked again
-    # with a backoff of at most ``dependency_backoff_max_seconds``.
+    # A task holds its message through this much database or storage outage, then hands it back to the broker.
     dependency_retry_seconds: float = Field(900.0, gt=0)
+    # A down dependency is checked again with a backoff of at most this long.
     dependency_backoff_max_seconds: float = Field(30.0, gt=0)
-    # A worker that dies is not its items' fault, except for a poison item: one that kills
-    # the worker each time it runs alone. After this many such deaths it becomes an error.
+    # Deaths of a worker while an item ran alone before that poison item becomes a ``worker_crashed`` error.
     item_max_crashes: int = Field(3, ge=1, le=100)
-    # An engine step (or taking a request) that has not returned after this long is a hang:
-    # the worker exits, so the hang is handled like a crash (its items' suspects run alone).
+    # An engine step that has not returned after this long is a hang: the worker exits, handled like a crash.
     step_timeout_seconds: float = Field(600.0, gt=0)
+    # The most shards one job may be split into.
     max_shards_per_job: int = Field(100_000, ge=1)
-    # A job created by reference (the HTTP API, a broker submission) still ``validating`` this
-    # long after it was created gets its intake message again (the broker may have lost it).
+    # A job created by reference still ``validating`` this long after creation gets its intake message again.
     intake_resend_seconds: float = Field(300.0, gt=0)
-    # A worker counts as live (serving its model) while its last heartbeat (every
-    # CONVEYOR_HEARTBEAT_SECONDS) is at most this old; ``submit`` and ``status`` say when none is.
+    # A worker counts as live while its last heartbeat is at most this old; ``submit`` and ``status`` say when none is.
     worker_live_seconds: float = Field(60.0, gt=0)
-    # Workers silent this long leave the registry (the newest of each model stays, so ``status``
-    # can still say when its model was last served); checked hourly by every worker.
+    # Workers silent this long leave the registry (each model's newest stays); checked hourly by every worker.
     worker_retention_seconds: float = Field(7 * 86_400.0, gt=0)
 
-    # A job's completion window when its submitter names none ("24h", "1h", "7d", ...): recorded
-    # with its expiry (created_at + window) on the job, as OpenAI's batch object reports them.
+    # Completion windows.
+
+    # A job's completion window when its submitter names none ("24h", "1h", "7d", ..., 1h to 30d).
     completion_window: str = DEFAULT_COMPLETION_WINDOW
-    # Tests only: the shortest window a job may have, in seconds (below 3600, windows such as
-    # "5s" are accepted), so that expiry can be tested in seconds.
+    # Tests only: the shortest window a job may have, in seconds, so that expiry can be tested in seconds.
     min_completion_window_seconds: int = Field(MIN_COMPLETION_WINDOW_SECONDS, ge=1, le=MIN_COMPLETION_WINDOW_SECONDS)
 
-    # ``conveyor serve`` also consumes the submission queue (``<prefix>-submit``), as workers do,
-    # so a broker submission becomes a job, and demand the autoscaler sees, while no worker runs.
+    # ``conveyor serve`` also consumes the submission queue, so a broker submission is demand while no worker runs.
     api_takes_submissions: bool = True
     # A broker submission's ``reply_to`` (a queue or exchange name) must start with this, so a
     # producer cannot have announcements published into another application's queues; empty:
@@ -241,26 +266,26 @@ class Settings(BaseSettings):
     # broker producer), so the operator's own jobs share their cache; empty: each such job alone.
     unowned_cache_salt: str = Field("", max_length=128)
 
-    # Prometheus metrics of a worker process: served over HTTP at ``/metrics`` on this port
-    # (0: no metrics server) and address (all interfaces, for a scraper outside the container).
-    # Job and shard counts are read from the database at most once per
-    # ``metrics_cache_seconds`` per process, however often it is scraped.
+    # Metrics.
+
+    # The port of a worker's Prometheus ``/metrics``, ``/healthz`` and ``/readyz`` (0: no metrics server).
     metrics_port: int = Field(0, ge=0, le=65535)
     # When set, every ``/metrics`` (the API's and the workers') answers only a scraper sending
     # ``Authorization: Bearer <this token>``; unset, they are open to whoever reaches the port.
     metrics_token: str | None = Field(None, min_length=16)
+    # The address the metrics server listens on (all interfaces, for a scraper outside the container).
     metrics_host: str = "0.0.0.0"
+    # Job and shard counts are read from the database at most once per this long per process.
     metrics_cache_seconds: float = Field(5.0, ge=0)
 
-    # Stopping (serverless): on SIGTERM a worker takes no new shard, lets what runs finish for
-    # up to ``drain_timeout_seconds``, then hands back what is left (its leases released at
-    # once, so another worker resumes the shard now, not after a lease period) and exits 0.
-    # Kubernetes' default grace period is 30 s: the default drains within it.
+    # Stopping (serverless). Kubernetes' default grace period is 30 s: the default drains within it.
+
+    # On SIGTERM, running shards finish for up to this long, then what is left is handed back and the worker exits 0.
     drain_timeout_seconds: float = Field(25.0, gt=0, le=86_400)
-    # Run to completion (a KEDA ScaledJob): with no task for this long, the worker drains and
-    # exits 0. None: it waits for work forever.
+    # With no task for this long, the worker drains and exits 0 (a KEDA ScaledJob); unset: it waits forever.
     exit_when_idle_seconds: float | None = Field(None, gt=0)
 
+    # The log level of worker and server processes (DEBUG, INFO, WARNING...).
     log_level: str = "INFO"
 
     @field_validator("models", mode="before")

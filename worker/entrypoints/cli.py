@@ -21,31 +21,47 @@ from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from kombu.exceptions import OperationalError as BrokerError
-from sqlalchemy.exc import OperationalError as DBError
 from tqdm.auto import tqdm
 
-from worker.batchio.records import InputError, InputFormat
-from worker.broker.queues import BrokerUnavailable, queue_name, submit_queue_name
-from worker.core.settings import ConfigError, Settings, read_settings, redact_url
-from worker.entrypoints.client import Client, JobFailed, JobNotFinished
-from worker.jobs.catalog import is_declared
-from worker.jobs.lifecycle import JobNotFound, NotRetryable
-from worker.jobs.model_names import InvalidModel, canonical_model
-from worker.jobs.object_keys import InvalidJobId
-from worker.jobs.submission import SubmitError
-from worker.store.api_keys import KeyNameError, KeyNotFound, active_key_count, create_key, list_keys, revoke_key
-from worker.store.database import create_db_engine
-from worker.store.model_cache import fetch_model, is_model_uri
-from worker.store.models import JobStatus
-from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable
-from worker.store.schema import SchemaError, ensure_schema, upgrade_database
-from worker.store.workers import ModelService
+# A base install (``pip install conveyor``, no ``worker`` extra) has the engine and this parser,
+# not the job system: ``conveyor --help`` works there, and every command says which extra to
+# install in one line instead of a traceback (``main``). Any other missing module is a bug: raised.
+WORKER_EXTRA_MODULES = frozenset(
+    {"kombu", "celery", "sqlalchemy", "alembic", "boto3", "botocore", "pydantic", "pydantic_settings", "psycopg",
+     "redis", "prometheus_client", "fastapi", "starlette", "uvicorn", "multipart", "python_multipart"}
+)  # fmt: skip
+try:
+    from kombu.exceptions import OperationalError as BrokerError
+    from sqlalchemy.exc import OperationalError as DBError
+
+    from worker.batchio.records import InputError, InputFormat
+    from worker.broker.queues import BrokerUnavailable, queue_name, submit_queue_name
+    from worker.core.settings import ConfigError, Settings, read_settings, redact_url
+    from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+    from worker.jobs.catalog import is_declared
+    from worker.jobs.lifecycle import JobNotFound, NotRetryable
+    from worker.jobs.model_names import InvalidModel, canonical_model
+    from worker.jobs.object_keys import InvalidJobId
+    from worker.jobs.submission import SubmitError
+    from worker.store.api_keys import KeyNameError, KeyNotFound, active_key_count, create_key, list_keys, revoke_key
+    from worker.store.database import create_db_engine
+    from worker.store.model_cache import fetch_model, is_model_uri
+    from worker.store.models import JobStatus
+    from worker.store.objects.base import InvalidKey, ObjectNotFound, StorageUnavailable
+    from worker.store.schema import SchemaError, ensure_schema, upgrade_database
+    from worker.store.workers import ModelService
+except ModuleNotFoundError as exc:
+    if (exc.name or "").partition(".")[0] not in WORKER_EXTRA_MODULES:
+        raise
+    MISSING_EXTRA: str | None = exc.name
+else:
+    MISSING_EXTRA = None
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
-FORMATS = [f.value for f in InputFormat]
+# Choices a base install cannot list (its commands stop at the missing extra before using them).
+FORMATS = [f.value for f in InputFormat] if MISSING_EXTRA is None else None
 FORMAT_HELP = "the input's format (default: from its first bytes, then its name)"
 
 
@@ -572,6 +588,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+JOB_STATUSES = [s.value for s in JobStatus] if MISSING_EXTRA is None else None
 JOB_HELP = "the job id (batch_...), as submit printed it"
 JSON_HELP = "print the job object as JSON (OpenAI's batch object)"
 MODEL_HELP = "hub id (e.g. Qwen/Qwen3-0.6B), local checkpoint directory or s3://bucket/prefix/ (fetched once)"
@@ -582,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="conveyor",
         description="Queue-driven batch inference for LLMs. Configuration: CONVEYOR_* environment variables "
-        "(README); with none set, everything lives under CONVEYOR_HOME (~/.conveyor).",
+        "(the docs' settings reference); with none set, everything lives under CONVEYOR_HOME (~/.conveyor).",
     )
     p.add_argument("--version", action="version", version=f"conveyor {_version()}")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -657,9 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(fn=cmd_worker)
 
     jobs = sub.add_parser("jobs", help="list jobs, newest first")
-    jobs.add_argument(
-        "--status", action="append", choices=[s.value for s in JobStatus], help="only jobs in this status (repeatable)"
-    )
+    jobs.add_argument("--status", action="append", choices=JOB_STATUSES, help="only jobs in this status (repeatable)")
     jobs.add_argument("--limit", type=_positive_int, default=20, help="at most this many (default 20, up to 1000)")
     jobs.add_argument("--after", help="only jobs created before this job id (to page on)")
     jobs.add_argument("--json", action="store_true", help="print an OpenAI-style list of batch objects")
@@ -758,6 +773,16 @@ def _describe(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if MISSING_EXTRA is not None:
+        command = " ".join(
+            str(getattr(args, key)) for key in ("command", "keys_command", "db_command") if getattr(args, key, None)
+        )
+        print(
+            f"conveyor: error: 'conveyor {command}' needs the worker extra ({MISSING_EXTRA} is not installed): "
+            "pip install 'conveyor[worker]'",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     logging.basicConfig(
         level=os.environ.get("CONVEYOR_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )

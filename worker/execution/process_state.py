@@ -104,7 +104,3 @@ class ProcessState:
             if self._busy or self._phase is not Phase.ready:
                 return 0.0
             return time.monotonic() - max(self._idle_since, self._since)
-
-    def seconds_in_phase(self) -> float:
-        with self._lock:
-            return time.monotonic() - self._since
