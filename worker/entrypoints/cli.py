@@ -29,6 +29,7 @@ from worker.batchio.records import InputError, InputFormat
 from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
 from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+from worker.entrypoints.request_flags import add_request_flags, request_options
 from worker.jobs.catalog import is_declared
 from worker.jobs.lifecycle import JobNotFound, NotRetryable
 from worker.jobs.model_names import InvalidModel, canonical_model
@@ -189,7 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = run_job(
             settings, args.input, args.model, shard_size=args.shard_size, priority=args.priority,
-            input_format=args.format, on_start=on_start, on_items=on_items,
+            input_format=args.format, on_start=on_start, on_items=on_items, submit_options=request_options(args),
         )  # fmt: skip
     except KeyboardInterrupt as exc:
         job_id = getattr(exc, "job_id", None) or (started[0]["id"] if started else None)
@@ -230,6 +231,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             args.priority,
             input_format=args.format,
             completion_window=args.completion_window,
+            **request_options(args),
         )
         live = JobStatus(job["status"]).terminal or client.model_service(job["model"]).live
         declared = is_declared(client.settings, job["model"])
@@ -599,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_request_flags(run)
     run.set_defaults(fn=cmd_run)
 
     submit = sub.add_parser("submit", help="validate and enqueue a job; prints its id")
@@ -611,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--completion-window", help="e.g. 24h, 1h, 7d (up to 30d; default CONVEYOR_COMPLETION_WINDOW, 24h)"
     )
     submit.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_request_flags(submit)
     submit.set_defaults(fn=cmd_submit)
 
     worker = sub.add_parser("worker", help="serve a model's queue (Celery worker, threads pool)")

@@ -57,10 +57,13 @@ def run_job(
     on_start: Callable[[dict[str, Any]], None] | None = None,
     on_items: Callable[[int], None] | None = None,
     host_factory: Callable[[], EngineHost] | None = None,
+    submit_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Submit ``source`` without a broker, run every shard here, return the final job.
     ``on_start(job)`` runs once the input is validated (e.g. to size a progress bar).
-    Ctrl-C cancels the job (results so far are kept) and re-raises."""
+    Ctrl-C cancels the job (results so far are kept) and re-raises. ``submit_options``: more
+    of ``Client.submit``'s keywords (the request options); ``chat`` left to auto is decided
+    here, where the model is loaded, so the job shows what was done."""
     if concurrency is not None and not 1 <= concurrency <= 256:
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
     if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
@@ -69,12 +72,16 @@ def run_job(
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.create(settings, model, on_items=on_items, host_factory=host_factory)
-        ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        host = ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        options = dict(submit_options or {})
+        if options.get("chat") is None:
+            options["chat"] = bool(getattr(host.tokenizer, "chat_template", None))
         created: list[str] = []
         try:
             job = client.submit(
-                source, model, shard_size, priority, input_format=input_format, enqueue=False, on_created=created.append
-            )
+                source, model, shard_size, priority, input_format=input_format, enqueue=False,
+                on_created=created.append, **options,
+            )  # fmt: skip
             if JobStatus(job["status"]).terminal:
                 if on_start is not None:
                     on_start(job)

@@ -37,10 +37,15 @@ class ItemContext:
     worker_id: str
 
 
-def engine_prompt(req: ParsedRequest) -> Any:
-    """The prompt in the form ``LLMEngine.add_request`` takes."""
+def engine_prompt(req: ParsedRequest, *, chat_template: bool = False) -> Any:
+    """The prompt in the form ``LLMEngine.add_request`` takes. ``chat_template``: the model's
+    tokenizer has one, so a ``prompt`` row in auto chat mode is rendered through it (as one
+    user message after the job's system prompt); the engine renders messages, once."""
     if req.messages is not None:
         return {"messages": req.messages, "tools": req.tools.tools} if req.tools else {"messages": req.messages}
+    if isinstance(req.prompt, str) and (req.chat or (req.chat is None and chat_template)):
+        system = [{"role": "system", "content": req.system_prompt}] if req.system_prompt else []
+        return {"messages": [*system, {"role": "user", "content": req.prompt}]}
     return req.prompt
 
 
