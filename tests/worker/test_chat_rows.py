@@ -59,7 +59,7 @@ def _csv(rows: list[dict[str, Any]]) -> bytes:
     return buf.getvalue().encode()
 
 
-ROWS = [
+ROWS: list[dict[str, Any]] = [
     {"custom_id": "p-echo", "prompt": "Tell the chef about the soup", "echo": True},
     {"custom_id": "p-plain", "prompt": "Bring the bread to the table"},
     {"custom_id": "m-user", "messages": [{"role": "user", "content": "Serve the tea"}]},
@@ -328,3 +328,29 @@ def test_the_broker_contract_takes_the_options_and_names_a_bad_one(tmp_path, tin
     )
     assert again["refused"] and "request_options" in again["refused"]  # a key names one submission
     db.dispose()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says", "code"),
+    [
+        (["--temperature", "3"], "temperature must be a number at least 0.0 and at most 2.0, got 3.0", 1),
+        (["--n", "0"], "n must be an integer from 1 to 16, got 0", 1),
+        (["--json-schema", "/no/such/schema.json"], "cannot read '/no/such/schema.json'", 2),
+        (["--system-prompt", "@/no/such/prompt.txt"], "cannot read '/no/such/prompt.txt'", 2),
+        (["--response-format", "yaml"], "expected text, json_object or a JSON object", 2),
+    ],
+)
+def test_bad_flags_are_one_line_errors_before_anything_runs(
+    embedded_stack, env, tmp_path, capsys, flags, says, code
+) -> None:
+    stack = env(embedded_stack)
+    path = tmp_path / "rows.csv"
+    path.write_bytes(_csv(ROWS))
+    for command in ("run", "submit"):
+        try:
+            status = main([command, str(path), "--model", stack.model, *flags])
+        except SystemExit as exc:  # argparse's own errors
+            status = exc.code
+        assert status == code
+        assert says in capsys.readouterr().err
+    assert Client(embedded_stack.settings).jobs() == []  # no job was created

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from worker.batchio.request_options import RequestOptions
 from worker.core.settings import Settings
 from worker.entrypoints.client import Client, InputSource
 from worker.execution.context import WorkerContext
@@ -68,6 +69,8 @@ def run_job(
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
     if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
         raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
+    # Bad options are named before the model loads (seconds to minutes).
+    RequestOptions.from_fields(**(submit_options or {})).check(settings.input_limits())
     client = Client(settings)
     ctx: WorkerContext | None = None
     try:
