@@ -347,6 +347,7 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(
     path = tmp_path / "rows.csv"
     path.write_bytes(_csv(ROWS))
     for command in ("run", "submit"):
+        status: int | str | None
         try:
             status = main([command, str(path), "--model", stack.model, *flags])
         except SystemExit as exc:  # argparse's own errors
