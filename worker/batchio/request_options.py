@@ -25,13 +25,15 @@ from typing import Any
 from worker.batchio.body_errors import InvalidRequest
 from worker.batchio.request_body import COMPLETIONS, sampling_from_body
 from worker.core.limits import InputLimits
-from worker.store.models import CHAT_MODES
 
 # The body fields a job may set for all its lines (the CLI's sampling flags).
 DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "response_format")
 # Every option by its flat name (``Client.submit``'s keywords, a broker submission's fields).
 OPTION_FIELDS = ("chat", "system_prompt", *DEFAULT_FIELDS)
 MAX_SYSTEM_PROMPT_CHARS = 100_000
+# ``chat`` as stored and shown: None is auto (the chat template when the model has one).
+CHAT_MODES: dict[bool | None, str] = {None: "auto", True: "on", False: "off"}
+_CHAT_VALUES = {mode: value for value, mode in CHAT_MODES.items()}
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class RequestOptions:
         """What the job stores (None when every option is at its default)."""
         if self == RequestOptions():
             return None
-        data: dict[str, Any] = {"chat": self.chat}
+        data: dict[str, Any] = {"chat": self.chat_mode}
         if self.system_prompt is not None:
             data["system_prompt"] = self.system_prompt
         if self.defaults:
@@ -99,9 +101,8 @@ class RequestOptions:
     def from_json(cls, data: Mapping[str, Any] | None) -> RequestOptions:
         if not data:
             return cls()
-        return cls(
-            chat=data.get("chat"), system_prompt=data.get("system_prompt"), defaults=dict(data.get("defaults") or {})
-        )
+        chat = _CHAT_VALUES[data.get("chat") or "auto"]
+        return cls(chat=chat, system_prompt=data.get("system_prompt"), defaults=dict(data.get("defaults") or {}))
 
     @classmethod
     def from_fields(

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -23,12 +22,12 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import OperationalError as DBError
-from tqdm.auto import tqdm
 
 from worker.batchio.records import InputError, InputFormat
 from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
 from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+from worker.entrypoints.progress_bar import RunProgress, duration
 from worker.entrypoints.request_flags import add_request_flags, request_options
 from worker.jobs.catalog import is_declared
 from worker.jobs.lifecycle import JobNotFound, NotRetryable
@@ -95,9 +94,27 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, ensure_ascii=False))
 
 
+def progress_text(job: dict[str, Any]) -> str | None:
+    """A running job's rate, time left and tokens so far, in words (None when not running)."""
+    p = job.get("progress")
+    if not p:
+        return None
+    if p["requests_per_second"] is None:
+        rate = "just started"
+    else:
+        eta = "unknown until a request finishes" if p["eta_seconds"] is None else duration(p["eta_seconds"])
+        rate = (
+            f"{p['requests_per_second']:.2f} req/s and {p['output_tokens_per_second']:.0f} tok/s over the last "
+            f"{p['window_seconds']:.0f} s, ETA {eta}"
+        )
+    return f"{p['done']}/{p['total']} done, {rate}, {p['output_tokens']:,} output tokens so far"
+
+
 def _summary(job: dict[str, Any]) -> str:
     c = job["request_counts"]
     parts = [f"{job['id']}  {job['status']}", f"{c['completed']} completed, {c['failed']} failed of {c['total']}"]
+    if (progress := progress_text(job)) is not None:
+        parts.append(progress)
     if job.get("output_uri"):
         parts.append(f"results: {job['output_uri']}")
     if job.get("error_uri") and c["failed"]:
@@ -140,8 +157,9 @@ def no_success_reason(job: dict[str, Any], errors_hint: str) -> str | None:
 
 
 def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False) -> int:
-    """Write to ``path`` (atomically, via a ``.partial`` file) or stdout (``live``: flush
-    every line, for ``--follow``)."""
+    """Write to ``path`` (atomically, via a ``.partial`` file) or stdout. ``live`` (for
+    ``--follow``): every line is flushed as it comes, to ``path`` itself, which grows shard by
+    shard."""
     count = 0
     if path is None or path == "-":
         out = sys.stdout.buffer
@@ -151,6 +169,13 @@ def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False
             if live or count % 64 == 0:
                 out.flush()
         out.flush()
+        return count
+    if live:
+        with open(path, "wb") as f:
+            for line in lines:
+                f.write(line)
+                f.flush()
+                count += 1
         return count
     tmp = f"{path}.partial"
     with open(tmp, "wb") as f:
@@ -168,29 +193,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     from worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
 
     settings = load_settings(worker_concurrency=args.concurrency, **_engine_overrides(args))
-    bar: Any = None
-    lock = threading.Lock()  # shard threads report progress concurrently
-
+    bar = RunProgress()
     started: list[dict[str, Any]] = []
 
     def on_start(job: dict[str, Any]) -> None:
-        nonlocal bar
         started.append(job)
         counts = job["request_counts"]
         if not args.quiet:
-            bar = tqdm(
-                total=counts["total"], initial=counts["failed"], unit="req", desc="conveyor run", file=sys.stderr
-            )
+            bar.start(counts["total"], counts["failed"])
 
-    def on_items(n: int) -> None:
-        if bar is not None:
-            with lock:
-                bar.update(n)
+    def on_loading() -> None:
+        if not args.quiet:
+            print(f"conveyor: loading model {args.model} ...", file=sys.stderr, flush=True)
+
+    def on_loaded(seconds: float, has_template: bool) -> None:
+        if args.quiet:
+            return
+        chat = {True: "on", False: "off"}.get(
+            args.chat, "on (auto)" if has_template else "off (auto: no chat template)"
+        )
+        print(f"conveyor: model loaded in {seconds:.1f} s; chat template for prompt rows: {chat}", file=sys.stderr)
 
     try:
         job = run_job(
             settings, args.input, args.model, shard_size=args.shard_size, priority=args.priority,
-            input_format=args.format, on_start=on_start, on_items=on_items, submit_options=request_options(args),
+            input_format=args.format, on_start=on_start, on_records=bar.add, submit_options=request_options(args),
+            on_loading=on_loading, on_loaded=on_loaded,
         )  # fmt: skip
     except KeyboardInterrupt as exc:
         job_id = getattr(exc, "job_id", None) or (started[0]["id"] if started else None)
@@ -204,8 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     client = Client(settings)
     try:
         if job["status"] != "failed":
@@ -297,9 +324,20 @@ def _show(job: dict[str, Any], as_json: bool) -> None:
         print(_summary(job))
 
 
+def _where(settings: Settings) -> str:
+    """The database a command read, for when it found nothing there."""
+    where = f"the database {redact_url(settings.database)}"
+    if settings.database_url is None:
+        where += f" (CONVEYOR_HOME={settings.home_dir}; set CONVEYOR_HOME or CONVEYOR_DATABASE_URL to read another)"
+    return where
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with _client() as client:
-        job = client.status(args.job)
+        try:
+            job = client.status(args.job)
+        except JobNotFound as exc:
+            raise JobNotFound(f"{exc} in {_where(client.settings)}") from None
         service = None if JobStatus(job["status"]).terminal else client.model_service(job["model"])
     note = None if service is None else service_note(service, is_declared(client.settings, job["model"]))
     if args.json:
@@ -311,9 +349,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLLOW_REPORT_SECONDS = 2.0
+
+
 def cmd_results(args: argparse.Namespace) -> int:
     with _client() as client:
-        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow)
+        last = [-FOLLOW_REPORT_SECONDS]
+
+        def report(index: int, num_shards: int) -> None:
+            """While following, say on stderr how far the job is (every couple of seconds)."""
+            if time.monotonic() - last[0] < FOLLOW_REPORT_SECONDS:
+                return
+            last[0] = time.monotonic()
+            job = client.status(args.job)
+            text = progress_text(job) or job["status"]
+            print(f"conveyor: waiting for shard {index + 1} of {num_shards}: {text}", file=sys.stderr, flush=True)
+
+        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow, on_wait=report)
         _write_lines(lines, args.output, live=args.follow)
     return 0
 
@@ -338,6 +390,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     with _client() as client:
         jobs = client.jobs(args.status or (), limit=args.limit, after=args.after)
+        if not jobs and not args.json:
+            print(f"conveyor: no jobs{' in that status' if args.status else ''} in {_where(client.settings)}",
+                  file=sys.stderr)  # fmt: skip
     if args.json:
         _print_json({"object": "list", "data": jobs, "has_more": len(jobs) == args.limit})
         return 0
@@ -676,7 +731,10 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("job", help=JOB_HELP)
     results.add_argument("-o", "--output", help="write here instead of stdout")
     results.add_argument("--errors", action="store_true", help="the errors file instead")
-    results.add_argument("--follow", action="store_true", help="stream a running job's results as shards finish")
+    results.add_argument(
+        "--follow", action="store_true",
+        help="stream a running job's results as shards finish (to -o FILE as they come), with its progress on stderr",
+    )  # fmt: skip
     results.set_defaults(fn=cmd_results)
 
     cancel = sub.add_parser("cancel", help="cancel a job (results so far are kept)")

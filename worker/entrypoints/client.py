@@ -227,11 +227,18 @@ class Client:
     # ---- results ------------------------------------------------------------------------
 
     def result_bytes(
-        self, job_id: str, errors: bool = False, *, follow: bool = False, poll: float = 0.5
+        self,
+        job_id: str,
+        errors: bool = False,
+        *,
+        follow: bool = False,
+        poll: float = 0.5,
+        on_wait: Callable[[int, int], None] | None = None,
     ) -> Iterator[bytes]:
         """The results (or errors) file's lines as bytes. A finished job's come from its
         file; with ``follow`` a running job's come shard by shard as they finish (the same
-        lines, in the same order, as the file will hold)."""
+        lines, in the same order, as the file will hold), and ``on_wait(shard_index,
+        num_shards)`` is called at each poll while the next shard runs."""
         job = get_job(self.db, job_id)
         status = JobStatus(job["status"])
         if status is JobStatus.failed:
@@ -255,7 +262,7 @@ class Client:
                 f"job {job_id} is {status.value}; its results are ready when it completes "
                 "(wait for it, or follow the results as shards finish)"
             )
-        return iter_job_output(source, self._follow_shards(job_id, poll), errors=errors)
+        return iter_job_output(source, self._follow_shards(job_id, poll, on_wait), errors=errors)
 
     def results(
         self,
@@ -282,7 +289,9 @@ class Client:
             count += 1
         return count
 
-    def _follow_shards(self, job_id: str, poll: float) -> Iterator[tuple[int, bool]]:
+    def _follow_shards(
+        self, job_id: str, poll: float, on_wait: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[int, bool]]:
         done = (ShardStatus.completed, ShardStatus.failed, ShardStatus.cancelled)
         index = 0
         while True:
@@ -298,6 +307,8 @@ class Client:
                 index += 1
                 continue
             self._expire_if_due(job_id)  # its window may pass while we follow
+            if on_wait is not None:
+                on_wait(index, num)
             time.sleep(poll)
 
 

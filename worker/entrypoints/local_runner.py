@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import EngineHost
 from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
 from worker.jobs.finalize import finalize_if_ready
+from worker.store.items import ItemRecord
 from worker.store.models import JobStatus
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,17 @@ def run_job(
     on_items: Callable[[int], None] | None = None,
     host_factory: Callable[[], EngineHost] | None = None,
     submit_options: dict[str, Any] | None = None,
+    on_records: Callable[[Sequence[ItemRecord]], None] | None = None,
+    on_loading: Callable[[], None] | None = None,
+    on_loaded: Callable[[float, bool], None] | None = None,
 ) -> dict[str, Any]:
     """Submit ``source`` without a broker, run every shard here, return the final job.
     ``on_start(job)`` runs once the input is validated (e.g. to size a progress bar).
     Ctrl-C cancels the job (results so far are kept) and re-raises. ``submit_options``: more
     of ``Client.submit``'s keywords (the request options); ``chat`` left to auto is decided
-    here, where the model is loaded, so the job shows what was done."""
+    here, where the model is loaded, so the job shows what was done. ``on_records(records)``:
+    items newly stored (tokens and all); ``on_loading()`` before the model loads and
+    ``on_loaded(seconds, has_chat_template)`` after."""
     if concurrency is not None and not 1 <= concurrency <= 256:
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
     if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
@@ -75,10 +81,18 @@ def run_job(
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.create(settings, model, on_items=on_items, host_factory=host_factory)
+        if on_records is not None:
+            ctx.item_listeners.append(on_records)
+        if on_loading is not None:
+            on_loading()
+        loading = time.monotonic()
         host = ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        has_template = bool(getattr(host.tokenizer, "chat_template", None))
+        if on_loaded is not None:
+            on_loaded(time.monotonic() - loading, has_template)
         options = dict(submit_options or {})
         if options.get("chat") is None:
-            options["chat"] = bool(getattr(host.tokenizer, "chat_template", None))
+            options["chat"] = has_template
         created: list[str] = []
         try:
             job = client.submit(

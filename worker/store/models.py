@@ -56,8 +56,6 @@ NullableJSONType = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True)
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 
 ID_LEN = 64
-# A job's ``chat`` option as shown: None is auto (the chat template when the model has one).
-CHAT_MODES: dict[bool | None, str] = {None: "auto", True: "on", False: "off"}
 URI_LEN = 2048
 CUSTOM_ID_LEN = MAX_CUSTOM_ID_CHARS
 MODEL_LEN = MAX_MODEL_CHARS
@@ -263,6 +261,7 @@ class Job(Base):
             "shard_size": self.shard_size,
             "num_shards": self.num_shards,
             "request_options": self.request_options_shown(),
+            "progress": None,  # a live job's, filled in by ``worker.jobs.progress``
         }
 
     def request_options_shown(self) -> dict[str, Any]:
@@ -270,7 +269,7 @@ class Job(Base):
         ``on`` or ``off``, the system prompt, the sampling defaults."""
         opts = self.request_options or {}
         return {
-            "chat": CHAT_MODES[opts.get("chat")],
+            "chat": opts.get("chat") or "auto",
             "system_prompt": opts.get("system_prompt"),
             "defaults": opts.get("defaults") or {},
         }
