@@ -23,6 +23,7 @@ from typing import Any
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import OperationalError as DBError
 
+from worker.batchio.error_summary import summarize_failures
 from worker.batchio.records import InputError, InputFormat
 from worker.broker.queues import BrokerUnavailable, intake_queue_name, queue_name, submit_queue_name
 from worker.core.settings import ConfigError, Settings, read_settings, redact_url
@@ -124,6 +125,22 @@ def _summary(job: dict[str, Any]) -> str:
     return "  |  ".join(parts)
 
 
+def run_summary(job: dict[str, Any], seconds: float, output: str | None, errors: str | None) -> str:
+    """``conveyor run``'s last word, one short line: the job, what came of its requests, where
+    they went (the job's own files are under CONVEYOR_HOME; ``conveyor results`` reads them)."""
+    c = job["request_counts"]
+    text = (
+        f"conveyor: {job['id']} {job['status']} in {duration(seconds)}: {c['completed']} completed, "
+        f"{c['failed']} failed of {c['total']}"
+    )
+    if job["status"] == "failed":  # the reason follows, as the error line
+        return text
+    places = [f"results in {output or 'stdout'}"]
+    if c["failed"]:
+        places.append(f"errors in {errors}" if errors else "errors: --errors FILE")
+    return f"{text}; {', '.join(places)}"
+
+
 def service_note(service: ModelService, declared: bool = False) -> str | None:
     """What to say when no live worker serves a job's model (None when one does); ``declared``:
     the model is in CONVEYOR_MODELS, so the deployment's autoscaler starts a worker for it."""
@@ -192,6 +209,7 @@ def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False
 def cmd_run(args: argparse.Namespace) -> int:
     from worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
 
+    began = time.monotonic()
     settings = load_settings(worker_concurrency=args.concurrency, **_engine_overrides(args))
     bar = RunProgress()
     started: list[dict[str, Any]] = []
@@ -235,13 +253,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.close()
     client = Client(settings)
     try:
+        kinds_failed: list[str] = []
         if job["status"] != "failed":
             _write_lines(client.result_bytes(job["id"]), args.output)
             if args.errors:
                 _write_lines(client.result_bytes(job["id"], errors=True), args.errors)
+            if job["request_counts"]["failed"]:
+                kinds, others = summarize_failures(client.result_bytes(job["id"], errors=True))
+                kinds_failed = [k.describe() for k in kinds] + ([f"{others} other kinds"] if others else [])
     finally:
         client.close()
-    print(_summary(job), file=sys.stderr)
+    print(run_summary(job, time.monotonic() - began, args.output, args.errors), file=sys.stderr)
+    if kinds_failed:
+        print(f"conveyor: why they failed: {'; '.join(kinds_failed)}", file=sys.stderr)
     why = no_success_reason(job, args.errors or "the errors file (--errors FILE writes it)")
     if why is not None:
         print(f"conveyor: error: no request succeeded: {why}", file=sys.stderr)
@@ -652,8 +676,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
     run.add_argument("--priority", type=_positive_int, help="the job's priority: lower runs first (default 0)")
     run.add_argument(
-        "--concurrency", type=_positive_int, help="shards run at once (default CONVEYOR_WORKER_CONCURRENCY)"
-    )
+        "--concurrency", type=_positive_int, metavar="SHARDS",
+        help="shards run at once, not requests: every request of a running shard goes to the engine, which runs up "
+        "to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
+    )  # fmt: skip
     run.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_request_flags(run)
@@ -680,7 +706,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(CONVEYOR_SERVED_MODEL_NAME)",
     )
     worker.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
-    worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
+    worker.add_argument(
+        "--concurrency", type=_positive_int, metavar="SHARDS",
+        help="shard tasks at once, not requests: every request of a running shard goes to the engine, which runs "
+        "up to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
+    )  # fmt: skip
     worker.add_argument(
         "--tensor-parallel-size", type=_at_least_one, metavar="N",
         help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
