@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import re
+import shutil
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from tests.worker.helpers import parse_lines, read_object
 from worker.batchio.readers import iter_input
 from worker.batchio.records import LineError, ParsedRequest
+from worker.batchio.request_body import COMPLETIONS
 from worker.batchio.request_options import RequestOptions
 from worker.broker.submission_contract import InvalidSubmission, parse_submission
 from worker.broker.submissions import handle_submission
@@ -25,6 +27,7 @@ from worker.core.limits import InputLimits
 from worker.core.settings import Settings
 from worker.entrypoints.cli import main
 from worker.entrypoints.client import Client
+from worker.execution.item_records import engine_prompt
 from worker.jobs import object_keys
 from worker.jobs.submission import ingest_job
 from worker.store.database import create_db_engine
@@ -355,3 +358,69 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(
         assert status == code
         assert says in capsys.readouterr().err
     assert Client(embedded_stack.settings).jobs() == []  # no job was created
+
+
+# ---- a model without a chat template (a base model) -------------------------------------------
+
+
+@pytest.fixture
+def base_model(tiny_model, tmp_path) -> str:
+    """The tiny model without its chat template, as base models come."""
+    copy = tmp_path / "base-model"
+    shutil.copytree(tiny_model, copy)
+    (copy / "chat_template.jinja").unlink()
+    assert not _tokenizer(str(copy)).chat_template
+    return str(copy)
+
+
+def test_auto_chat_sends_prompts_as_they_are_to_a_model_without_a_template(
+    embedded_stack, env, base_model, tmp_path, capsys
+) -> None:
+    env(embedded_stack)
+    tok = _tokenizer(base_model)
+    path, out = tmp_path / "rows.csv", tmp_path / "out.jsonl"
+    path.write_bytes(_csv(ROWS[:2]))
+    assert main(["run", str(path), "--model", base_model, "-o", str(out), "--max-tokens", "2"]) == 0
+    assert "chat template for prompt rows: off (auto: the model has no chat template)" in capsys.readouterr().err
+    by_id = {r["custom_id"]: r["response"]["body"] for r in parse_lines(out.read_text().splitlines())}
+    assert by_id["p-echo"]["choices"][0]["text"].startswith("Tell the chef about the soup")
+    for cid, prompt in (("p-echo", "Tell the chef about the soup"), ("p-plain", "Bring the bread to the table")):
+        assert by_id[cid]["usage"]["prompt_tokens"] == _count(tok, prompt, special=True)
+    assert Client(embedded_stack.settings).jobs(limit=1)[0]["request_options"]["chat"] == "off"
+
+    assert main(["run", str(path), "--model", base_model, "--chat"]) == 1
+    err = capsys.readouterr().err
+    assert f"conveyor: error: --chat: model {base_model} has no chat template" in err
+
+
+def test_chat_asked_of_a_model_without_a_template_fails_the_row_saying_why() -> None:
+    row = ParsedRequest(1, "a", COMPLETIONS, {"max_tokens": 2}, prompt="Hi", chat=True)
+    with pytest.raises(ValueError, match="has no chat template; submit it with --no-chat"):
+        engine_prompt(row, chat_template=False)
+    auto = ParsedRequest(1, "a", COMPLETIONS, {"max_tokens": 2}, prompt="Hi", chat=None, system_prompt=SYSTEM)
+    assert engine_prompt(auto, chat_template=False) == "Hi"
+    assert engine_prompt(auto, chat_template=True) == {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    }
+    off = ParsedRequest(1, "a", COMPLETIONS, {"max_tokens": 2}, prompt="Hi", chat=False, system_prompt=None)
+    assert engine_prompt(off, chat_template=True) == "Hi"
+
+
+def test_run_a_parquet_messages_column_with_a_response_format(embedded_stack, env, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stack = env(embedded_stack)
+    tok = _tokenizer(stack.model)
+    path, out = tmp_path / "rows.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Serve the tea"}]], "id": ["m-user"]}), path)
+    argv = ["run", str(path), "--model", stack.model, "-o", str(out), "-q", "--system-prompt", SYSTEM,
+            "--response-format", '{"type": "json_object"}', "--max-tokens", "3"]  # fmt: skip
+    assert main(argv) == 0
+    (result,) = parse_lines(out.read_text().splitlines())
+    expected = _rendered(tok, _expected_prompts(SYSTEM)["m-user"])
+    assert result["response"]["body"]["usage"]["prompt_tokens"] == _count(tok, expected)
+    job = Client(embedded_stack.settings).jobs(limit=1)[0]
+    assert _shard_sampling(embedded_stack.settings, job["id"])["m-user"] == {
+        "max_tokens": 3, "structured_outputs": {"json_object": True},
+    }  # fmt: skip

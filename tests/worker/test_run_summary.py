@@ -21,7 +21,7 @@ def test_run_ends_with_a_short_summary_and_why_requests_failed(embedded_stack, e
     out, err = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
     assert main(["run", EXAMPLE, "--model", stack.model, "-o", str(out), "--errors", str(err), "-q"]) == 0
     summary, why = capsys.readouterr().err.strip().splitlines()[-2:]
-    assert summary.startswith("conveyor: batch_") and " completed in " in summary
+    assert summary.startswith("batch_") and " completed in " in summary  # the job id first, as before
     assert summary.endswith(f"6 completed, 2 failed of 8; results in {out}, errors in {err}")
     assert "file://" not in summary and len(summary) - len(str(out)) - len(str(err)) < 120
     assert why == (

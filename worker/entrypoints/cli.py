@@ -126,11 +126,11 @@ def _summary(job: dict[str, Any]) -> str:
 
 
 def run_summary(job: dict[str, Any], seconds: float, output: str | None, errors: str | None) -> str:
-    """``conveyor run``'s last word, one short line: the job, what came of its requests, where
-    they went (the job's own files are under CONVEYOR_HOME; ``conveyor results`` reads them)."""
+    """``conveyor run``'s last word, one short line starting with the job id: what came of its
+    requests, where they went (the job's own files are under CONVEYOR_HOME; ``conveyor results`` reads them)."""
     c = job["request_counts"]
     text = (
-        f"conveyor: {job['id']} {job['status']} in {duration(seconds)}: {c['completed']} completed, "
+        f"{job['id']} {job['status']} in {duration(seconds)}: {c['completed']} completed, "
         f"{c['failed']} failed of {c['total']}"
     )
     if job["status"] == "failed":  # the reason follows, as the error line
@@ -228,7 +228,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.quiet:
             return
         chat = {True: "on", False: "off"}.get(
-            args.chat, "on (auto)" if has_template else "off (auto: no chat template)"
+            args.chat, "on (auto)" if has_template else "off (auto: the model has no chat template)"
         )
         print(f"conveyor: model loaded in {seconds:.1f} s; chat template for prompt rows: {chat}", file=sys.stderr)
 

@@ -93,6 +93,10 @@ def run_job(
         options = dict(submit_options or {})
         if options.get("chat") is None:
             options["chat"] = has_template
+        elif options["chat"] and not has_template:
+            raise ValueError(
+                f"--chat: model {model} has no chat template; run it with --no-chat, or leave chat to auto"
+            )
         created: list[str] = []
         try:
             job = client.submit(

@@ -404,13 +404,14 @@ class ShardRunner:
         for req in requests:
             try:
                 params = sampling_params(req)
+                prompt = engine_prompt(req, chat_template=chat_template)
             except ValueError as exc:
                 self._buffer.add(
                     error_record(self._item_ctx, req, code="invalid_value", message=str(exc), status_code=400)
                 )
                 continue
             handle = host.submit(
-                engine_prompt(req, chat_template=chat_template),
+                prompt,
                 params,
                 priority=order.priority,
                 deadline=order.deadline,
