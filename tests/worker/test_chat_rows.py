@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.worker.helpers import parse_lines, read_object
+from tests.worker.helpers import REPO, parse_lines, read_object
 from worker.batchio.readers import iter_input
 from worker.batchio.records import LineError, ParsedRequest
 from worker.batchio.request_body import COMPLETIONS
@@ -424,3 +424,44 @@ def test_run_a_parquet_messages_column_with_a_response_format(embedded_stack, en
     assert _shard_sampling(embedded_stack.settings, job["id"])["m-user"] == {
         "max_tokens": 3, "structured_outputs": {"json_object": True},
     }  # fmt: skip
+
+
+def test_a_broker_submission_with_options_runs_its_rows_as_chat(pg_redis_s3_stack, spawn_worker) -> None:
+    """A plain kombu producer (the README's example) sends the options as message fields; a
+    worker over Redis, PostgreSQL and S3 renders the rows with them."""
+    import importlib.util
+
+    from kombu import Connection, Queue
+
+    spec = importlib.util.spec_from_file_location("broker_producer", REPO / "examples" / "broker_producer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    stack = pg_redis_s3_stack
+    tok = _tokenizer(stack.model)
+    client = Client(stack.settings)
+    client.store.put_bytes("inputs/rows.csv", _csv(ROWS))
+    worker = spawn_worker(stack)
+    worker.wait_ready()
+    replies = "chat-rows-replies"
+    options = stack.values.get("broker_transport_options") or {}  # the test's own key prefix
+    with Connection(stack.values["broker_url"], transport_options=options) as conn:
+        Queue(replies, durable=True)(conn.default_channel).declare()
+        fields = {
+            "input_uri": client.store.uri("inputs/rows.csv"), "model": stack.model, "idempotency_key": "chat-rows",
+            "reply_to": replies, "system_prompt": SYSTEM, "chat": True, "max_tokens": 3, "temperature": 0,
+            "top_p": 0.8, "seed": 5, "stop": ["zzz"], "n": 2, "response_format": {"type": "json_object"},
+        }  # fmt: skip
+        example.submit(conn, fields, stack.values["queue_prefix"])
+        end = example.wait_for_end(conn, replies, "chat-rows", timeout=120)
+    assert end["status"] == "completed", worker.log()[-2000:]
+    job = client.status(end["job_id"])
+    assert job["request_counts"] == {"total": len(ROWS), "completed": len(ROWS), "failed": 0}
+    assert job["request_options"]["chat"] == "on" and job["request_options"]["system_prompt"] == SYSTEM
+    _check_rendered(tok, parse_lines(client.results(job["id"])), SYSTEM)
+    assert _shard_sampling(stack.settings, job["id"])["p-plain"] == {
+        "max_tokens": 3, "temperature": 0.0, "top_p": 0.8, "seed": 5, "stop": ["zzz"], "n": 2,
+        "structured_outputs": {"json_object": True},
+    }  # fmt: skip
+    client.close()
