@@ -35,7 +35,7 @@ $(EXAMPLE_MODEL)/tokenizer.json: $(VENV)/.installed
 run: setup $(EXAMPLE_MODEL)/tokenizer.json
 	CONVEYOR_HOME=$(RUN_HOME) $(VENV)/bin/conveyor run examples/requests.jsonl --model $(EXAMPLE_MODEL) \
 	    -o $(RUN_HOME)/results.jsonl --errors $(RUN_HOME)/errors.jsonl
-	@echo "results: $(RUN_HOME)/results.jsonl   errors: $(RUN_HOME)/errors.jsonl"
+	@echo "the job is in CONVEYOR_HOME=$(RUN_HOME): CONVEYOR_HOME=$(RUN_HOME) $(VENV)/bin/conveyor jobs"
 	@$(PY) examples/show_results.py $(RUN_HOME)/results.jsonl
 
 # The engine alone over a plain prompt file, printing outputs and throughput.

@@ -1,5 +1,7 @@
-"""CSV input: a header row with a ``prompt`` column (optional ``custom_id``/``id`` and sampling
-columns; a cell holding JSON such as ``["a","b"]`` or ``0.7`` is read as JSON)."""
+"""CSV input: a header row with a ``prompt`` or ``messages`` column (optional ``custom_id``/``id``
+and sampling columns; a cell holding JSON such as ``["a","b"]`` or ``0.7`` is read as JSON). A
+``messages`` cell is a JSON list of ``{"role", "content"}`` objects; a row whose ``messages``
+cell is empty uses its ``prompt``. ``docs/user-guide/datasets.md`` lists the columns."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 
 from worker.batchio.json_values import loads
 from worker.batchio.line_reader import ByteStream, LineReader, too_many
-from worker.batchio.records import InputError, LineError, ParsedRequest, record_from_object
+from worker.batchio.records import InputError, LineError, ParsedRequest, guess_custom_id, record_from_object
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import InputLimits
 
 
@@ -65,7 +68,9 @@ def _csv_value(text: str) -> Any:
         return text
 
 
-def iter_csv(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequest | LineError]:
+def iter_csv(
+    stream: ByteStream, limits: InputLimits, options: RequestOptions | None = None
+) -> Iterator[ParsedRequest | LineError]:
     # csv's field limit is process-wide; records are bounded by _CsvFeed, so only raise it.
     if csv.field_size_limit() < limits.max_line_bytes:
         csv.field_size_limit(limits.max_line_bytes)
@@ -93,8 +98,8 @@ def iter_csv(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequest 
             continue
         if header is None:
             header = [h.strip().lower() for h in row]
-            if "prompt" not in header:
-                raise InputError(f"the CSV header has no 'prompt' column (columns: {', '.join(header)})")
+            if "prompt" not in header and "messages" not in header:
+                raise InputError(f"the CSV header has no 'prompt' or 'messages' column (columns: {', '.join(header)})")
             continue
         count += 1
         if count > limits.max_lines:
@@ -106,5 +111,11 @@ def iter_csv(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequest 
         obj: dict[str, Any] = {}
         for name, cell in zip(header, row, strict=False):  # a short row: missing cells are empty
             obj[name] = cell if name in ("prompt", "custom_id", "id") else _csv_value(cell)
-        obj = {k: v for k, v in obj.items() if v not in (None, "")} | {"prompt": obj.get("prompt", "")}
-        yield record_from_object(obj, line, limits)
+        obj = {k: v for k, v in obj.items() if v not in (None, "")}
+        if isinstance(obj.get("messages"), str):  # not JSON: say so rather than "not a list"
+            what = 'the messages cell must be a JSON list such as [{"role": "user", "content": "Hi"}]'
+            yield LineError(line, "invalid_value", what, guess_custom_id(obj), "messages")
+            continue
+        if "messages" not in obj:  # an empty prompt is that row's error, not a missing column
+            obj["prompt"] = obj.get("prompt", "")
+        yield record_from_object(obj, line, limits, options)

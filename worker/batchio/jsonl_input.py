@@ -9,10 +9,13 @@ from collections.abc import Iterator
 from worker.batchio.json_values import loads
 from worker.batchio.line_reader import ByteStream, LineReader, too_long, too_many
 from worker.batchio.records import LineError, OneEndpoint, ParsedRequest, record_from_object
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import InputLimits
 
 
-def iter_jsonl(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequest | LineError]:
+def iter_jsonl(
+    stream: ByteStream, limits: InputLimits, options: RequestOptions | None = None
+) -> Iterator[ParsedRequest | LineError]:
     count = 0
     endpoint = OneEndpoint()
     for line, raw in LineReader(stream, limits):
@@ -38,4 +41,4 @@ def iter_jsonl(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedReques
             yield LineError(line, "invalid_json", "invalid JSON: nested too deeply")
             continue
         mismatch = endpoint.check(obj, line)
-        yield mismatch if mismatch is not None else record_from_object(obj, line, limits)
+        yield mismatch if mismatch is not None else record_from_object(obj, line, limits, options)

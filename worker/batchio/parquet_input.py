@@ -10,6 +10,7 @@ from typing import Any
 
 from worker.batchio.line_reader import ByteStream, too_big, too_many
 from worker.batchio.records import InputError, LineError, ParsedRequest, record_from_object
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import InputLimits
 
 _PARQUET_SPOOL_BYTES = 64 * 1024 * 1024  # larger inputs spill to a temporary file
@@ -42,17 +43,22 @@ def _unreadable(batch: Any, i: int, exc: Exception) -> str:
     return f"row cannot be read: {type(exc).__name__}: {exc}"
 
 
-def _record(row: int, record: dict[str, Any], limits: InputLimits) -> ParsedRequest | LineError:
+def _record(
+    row: int, record: dict[str, Any], limits: InputLimits, options: RequestOptions
+) -> ParsedRequest | LineError:
     obj = {k.lower(): v for k, v in record.items() if v is not None}
     size = len(json.dumps(obj, default=str).encode("utf-8", "surrogatepass"))
     if size > limits.max_line_bytes:
         return LineError(
             row, "line_too_long", f"row is {size} bytes, more than {limits.max_line_bytes} (CONVEYOR_MAX_LINE_BYTES)"
         )
-    return record_from_object(obj, row, limits)
+    return record_from_object(obj, row, limits, options)
 
 
-def iter_parquet(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequest | LineError]:
+def iter_parquet(
+    stream: ByteStream, limits: InputLimits, options: RequestOptions | None = None
+) -> Iterator[ParsedRequest | LineError]:
+    options = options or RequestOptions()
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -90,4 +96,4 @@ def iter_parquet(stream: ByteStream, limits: InputLimits) -> Iterator[ParsedRequ
                 if isinstance(record, str):
                     yield LineError(row, "invalid_row", record)
                 else:
-                    yield _record(row, record, limits)
+                    yield _record(row, record, limits, options)

@@ -4,7 +4,7 @@ held in memory).
 
 A bad line never stops the rest: it becomes a ``LineError`` naming the line number and what
 is wrong. Whole-file problems raise ``InputError``: over the size or line limit, a CSV header
-without a prompt column, a text format whose first bytes are not text, no request at all,
+without a prompt or messages column, a text format whose first bytes are not text, no request at all,
 OpenAI Batch lines asking for different urls. A repeated ``custom_id`` is an error on the
 later line. Blank lines are skipped and not counted.
 """
@@ -21,6 +21,7 @@ from worker.batchio.line_reader import ByteStream
 from worker.batchio.parquet_input import iter_parquet
 from worker.batchio.peek import peek
 from worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import InputLimits
 
 PARQUET_MAGIC = b"PAR1"
@@ -52,13 +53,13 @@ def _is_csv_header(line: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     names = next(csv.reader([text]), [])
-    return len(names) > 1 and "prompt" in (name.strip().lower() for name in names)
+    return len(names) > 1 and bool({"prompt", "messages"} & {name.strip().lower() for name in names})
 
 
 def detect_format(filename: str, head: bytes = b"") -> InputFormat:
     """The input's format from its first bytes (``head``), then its name: Parquet when it
     starts with ``PAR1``; JSONL when its first non-blank line starts with ``{``; CSV for
-    ``*.csv`` or a first line that is a CSV header with a ``prompt`` column; Parquet for
+    ``*.csv`` or a first line that is a CSV header with a ``prompt`` or ``messages`` column; Parquet for
     ``*.parquet``/``*.pq``; else JSONL (OpenAI Batch or plain, told apart per line)."""
     name = filename.lower()
     first = _first_line(head)
@@ -121,10 +122,13 @@ class _Ids:
 
 
 def iter_input(
-    stream: ByteStream, limits: InputLimits, fmt: InputFormat | str = InputFormat.jsonl
+    stream: ByteStream,
+    limits: InputLimits,
+    fmt: InputFormat | str = InputFormat.jsonl,
+    options: RequestOptions | None = None,
 ) -> Iterator[ParsedRequest | LineError]:
     """Parse ``stream`` lazily: a ``ParsedRequest`` or ``LineError`` per non-blank line
-    (per row for Parquet).
+    (per row for Parquet); ``options``: the job's request options, applied to every line.
 
     Raises ``InputError``/``InputTooLarge`` for whole-file problems (during iteration).
     """
@@ -133,7 +137,7 @@ def iter_input(
         head, stream = peek(stream)
         check_text(head)
     readers = {InputFormat.csv: iter_csv, InputFormat.parquet: iter_parquet}
-    rows = readers.get(fmt, iter_jsonl)(stream, limits)
+    rows = readers.get(fmt, iter_jsonl)(stream, limits, options or RequestOptions())
     ids = _Ids()
     count = 0
     for item in rows:

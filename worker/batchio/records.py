@@ -25,6 +25,7 @@ from worker.batchio.request_body import (
     sampling_from_body,
     shown,
 )
+from worker.batchio.request_options import RequestOptions
 from worker.batchio.tools import ToolRequest, apply_tools
 from worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
 
@@ -65,6 +66,10 @@ class ParsedRequest:
     messages: list[dict[str, str]] | None = None
     echo: bool = False  # completions: the prompt goes in front of the text
     tools: ToolRequest | None = None  # a chat request's tools and tool_choice
+    # A ``prompt`` row's chat: rendered through the chat template as one user message (True),
+    # sent as it is (False), or rendered when the model has a template (None: auto).
+    chat: bool | None = False
+    system_prompt: str | None = None  # the system message in front of a prompt rendered as chat
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
@@ -78,6 +83,10 @@ class ParsedRequest:
             data["echo"] = True
         if self.tools is not None:
             data["tools"] = self.tools.to_json()
+        if self.chat is not False:  # only when set, as echo
+            data["chat"] = self.chat
+        if self.system_prompt is not None:
+            data["system_prompt"] = self.system_prompt
         return data
 
     @classmethod
@@ -94,6 +103,8 @@ class ParsedRequest:
             messages=data.get("messages"),
             echo=data.get("echo", False) is True,
             tools=ToolRequest.from_json(data["tools"]) if data.get("tools") else None,
+            chat=data.get("chat", False),
+            system_prompt=data.get("system_prompt"),
         )
 
 
@@ -136,8 +147,13 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest:
-    """One JSON object (OpenAI Batch line or plain row) -> ParsedRequest, or InvalidRequest."""
+def request_from_object(
+    obj: Any, line: int, limits: InputLimits, options: RequestOptions | None = None
+) -> ParsedRequest:
+    """One JSON object (OpenAI Batch line or plain row) -> ParsedRequest, or InvalidRequest.
+    ``options``: the job's (sampling defaults under the line's fields, the system prompt, chat
+    for ``prompt`` rows)."""
+    options = options or RequestOptions()
     if not isinstance(obj, dict):
         raise InvalidRequest("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
     if _batch_line_without_body(obj):
@@ -157,15 +173,15 @@ def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedReque
         body = obj["body"]
         if not isinstance(body, dict):
             raise InvalidRequest("invalid_request", "body must be a JSON object", "body")
-        strict = True
+        body, strict, plain = options.body_with_defaults(body), True, False
     else:  # a plain dataset row
         custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
-        body, strict = obj, False
+        body, strict, plain = options.body_with_defaults(obj), False, True
         endpoint = CHAT if "messages" in obj else COMPLETIONS
     if endpoint == CHAT:
         if "messages" not in body:
             raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
-        messages = parse_messages(body["messages"], limits)
+        messages = options.with_system(parse_messages(body["messages"], limits))
         sampling = sampling_from_body(body, endpoint, limits, strict=strict)
         tools = apply_tools(body, sampling, limits)
         return ParsedRequest(line, custom_id, endpoint, sampling, messages=messages, tools=tools)
@@ -174,13 +190,19 @@ def request_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedReque
         raise InvalidRequest("missing_prompt", what, "prompt")
     prompt = parse_prompt(body["prompt"])
     sampling = sampling_from_body(body, endpoint, limits, strict=strict)
-    return ParsedRequest(line, custom_id, endpoint, sampling, prompt=prompt, echo=echo_from_body(body, endpoint))
+    chat = options.chat if plain and isinstance(prompt, str) else False  # token ids are never rendered
+    return ParsedRequest(
+        line, custom_id, endpoint, sampling, prompt=prompt, echo=echo_from_body(body, endpoint), chat=chat,
+        system_prompt=options.system_prompt if chat is not False else None,
+    )  # fmt: skip
 
 
-def record_from_object(obj: Any, line: int, limits: InputLimits) -> ParsedRequest | LineError:
+def record_from_object(
+    obj: Any, line: int, limits: InputLimits, options: RequestOptions | None = None
+) -> ParsedRequest | LineError:
     """``request_from_object``, with a rejected line as its ``LineError``."""
     try:
-        return request_from_object(obj, line, limits)
+        return request_from_object(obj, line, limits, options)
     except InvalidRequest as exc:
         return LineError(line, exc.code, exc.message, guess_custom_id(obj), exc.param)
 

@@ -26,7 +26,16 @@ reference to an input already in the object store:
   ``reply_to``                  where to announce the job's end (``check_reply_to``): a
                                 queue name, ``{"queue": name}``, or ``{"exchange": name,
                                 "routing_key": key, "type": "direct" | "topic"}``
+  ``chat``                      ``true``/``false``: plain ``prompt`` rows through the
+                                model's chat template (default null: when it has one)
+  ``system_prompt``             a system message first in every chat request without one
+  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``n``,
+  ``response_format``           defaults under each line's own fields (OpenAI's body
+                                fields, checked as a line's are)
   ============================  =========================================================
+
+The request options (``chat`` to ``response_format``) are ``Client.submit``'s keywords and
+``conveyor submit``'s flags, by the same names (``worker.batchio.request_options``).
 
 A message that breaks the contract is never retried and never stops the worker: it is
 refused (``InvalidSubmission``, naming the field), logged, and acknowledged. When its
@@ -41,10 +50,11 @@ key). A message whose Celery envelope is malformed never reaches this module
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from worker.batchio.records import InputFormat
+from worker.batchio.request_options import OPTION_FIELDS, RequestOptions
 from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
 from worker.jobs.catalog import not_served
@@ -53,7 +63,7 @@ from worker.jobs.submission import HTTP_KEY_NAMESPACE, check_metadata
 from worker.store.models import IDEMPOTENCY_KEY_LEN, URI_LEN
 
 REQUIRED = ("input_uri", "model", "idempotency_key")
-OPTIONAL = ("metadata", "completion_window", "priority", "shard_size", "input_format", "reply_to")
+OPTIONAL = ("metadata", "completion_window", "priority", "shard_size", "input_format", "reply_to", *OPTION_FIELDS)
 SUBMISSION_FIELDS = REQUIRED + OPTIONAL
 
 # Names a reply target may use: what RabbitMQ, Redis and SQS (kombu maps '.' and ':') accept.
@@ -95,6 +105,7 @@ class Submission:
     shard_size: int | None = None
     input_format: InputFormat | None = None  # None: detected from the input
     reply_to: dict[str, Any] | None = None  # normalised (``check_reply_to``)
+    request_options: RequestOptions = field(default_factory=RequestOptions)
 
 
 def _reserved(name: str, queue_prefix: str) -> bool:
@@ -239,6 +250,12 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
         if fmt is not None and fmt not in {f.value for f in InputFormat}:
             raise ValueError(f"input_format must be one of {', '.join(f.value for f in InputFormat)}, got {fmt!r:.40}")
         values["input_format"] = None if fmt is None else InputFormat(fmt)
+        for field in OPTION_FIELDS:  # each alone first, so a refusal names the field at fault
+            if kwargs.get(field) is not None:
+                RequestOptions.from_fields(**{field: kwargs[field]}).check(settings.input_limits())
+        options = RequestOptions.from_fields(**{name: kwargs.get(name) for name in OPTION_FIELDS})
+        field = "request options"
+        values["request_options"] = options.check(settings.input_limits())
     except ValueError as exc:
         raise refuse(f"{field}: {exc}" if not str(exc).startswith(field) else str(exc), field) from None
     return Submission(idempotency_key=key, reply_to=target, **values)

@@ -2,8 +2,8 @@
 
 1. The message is checked field by field (``parse_submission``). A key that already names a
    job (a duplicate, a redelivery) makes nothing new: that job is the answer. A key reused
-   for a different submission (another input, model, window, priority, shard size or
-   metadata) is refused and changes nothing: a key names one submission, as an HTTP
+   for a different submission (another input, model, window, priority, shard size,
+   metadata or request options) is refused and changes nothing: a key names one submission, as an HTTP
    ``Idempotency-Key`` does.
 2. Its input must be an object under the configured store (``ObjectStore.key_of``), not one
    of Conveyor's own job objects (``jobs/...``), that this worker can read: its first bytes
@@ -125,7 +125,7 @@ def handle_submission(
             fmt = sub.input_format or detected
             options = SubmitOptions(
                 model=sub.model, shard_size=sub.shard_size, priority=sub.priority, input_format=fmt,
-                completion_window=sub.completion_window,
+                completion_window=sub.completion_window, request_options=sub.request_options,
             )  # fmt: skip
             job, created = create_job(
                 db, store, settings, sub.input_uri, options,
@@ -169,6 +169,7 @@ def fields_differing(job: dict[str, Any], sub: Submission) -> list[str]:
         "model": sub.model,
         "priority": sub.priority,
         "metadata": sub.metadata or None,
+        "request_options": sub.request_options.shown(),
     }
     if sub.completion_window is not None:
         asked["completion_window"] = sub.completion_window

@@ -15,13 +15,12 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from tqdm.auto import tqdm
+from worker.entrypoints.request_flags import add_request_flags, request_options
 
 # A base install (``pip install conveyor``, no ``worker`` extra) has the engine and this parser,
 # not the job system: ``conveyor --help`` works there, and every command says which extra to
@@ -34,10 +33,12 @@ try:
     from kombu.exceptions import OperationalError as BrokerError
     from sqlalchemy.exc import OperationalError as DBError
 
+    from worker.batchio.error_summary import summarize_failures
     from worker.batchio.records import InputError, InputFormat
     from worker.broker.queues import BrokerUnavailable, queue_name, submit_queue_name
     from worker.core.settings import ConfigError, Settings, read_settings, redact_url
     from worker.entrypoints.client import Client, JobFailed, JobNotFinished
+    from worker.entrypoints.progress_bar import RunProgress, duration
     from worker.jobs.catalog import is_declared
     from worker.jobs.lifecycle import JobNotFound, NotRetryable
     from worker.jobs.model_names import InvalidModel, canonical_model
@@ -110,9 +111,27 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, ensure_ascii=False))
 
 
+def progress_text(job: dict[str, Any]) -> str | None:
+    """A running job's rate, time left and tokens so far, in words (None when not running)."""
+    p = job.get("progress")
+    if not p:
+        return None
+    if p["requests_per_second"] is None:
+        rate = "just started"
+    else:
+        eta = "unknown until a request finishes" if p["eta_seconds"] is None else duration(p["eta_seconds"])
+        rate = (
+            f"{p['requests_per_second']:.2f} req/s and {p['output_tokens_per_second']:.0f} tok/s over the last "
+            f"{p['window_seconds']:.0f} s, ETA {eta}"
+        )
+    return f"{p['done']}/{p['total']} done, {rate}, {p['output_tokens']:,} output tokens so far"
+
+
 def _summary(job: dict[str, Any]) -> str:
     c = job["request_counts"]
     parts = [f"{job['id']}  {job['status']}", f"{c['completed']} completed, {c['failed']} failed of {c['total']}"]
+    if (progress := progress_text(job)) is not None:
+        parts.append(progress)
     if job.get("output_uri"):
         parts.append(f"results: {job['output_uri']}")
     if job.get("error_uri") and c["failed"]:
@@ -120,6 +139,22 @@ def _summary(job: dict[str, Any]) -> str:
     if job.get("errors"):
         parts.append("; ".join(e.get("message", "") for e in job["errors"]["data"]))
     return "  |  ".join(parts)
+
+
+def run_summary(job: dict[str, Any], seconds: float, output: str | None, errors: str | None) -> str:
+    """``conveyor run``'s last word, one short line starting with the job id: what came of its
+    requests, where they went (the job's own files are under CONVEYOR_HOME; ``conveyor results`` reads them)."""
+    c = job["request_counts"]
+    text = (
+        f"{job['id']} {job['status']} in {duration(seconds)}: {c['completed']} completed, "
+        f"{c['failed']} failed of {c['total']}"
+    )
+    if job["status"] == "failed":  # the reason follows, as the error line
+        return text
+    places = [f"results in {output or 'stdout'}"]
+    if c["failed"]:
+        places.append(f"errors in {errors}" if errors else "errors: --errors FILE")
+    return f"{text}; {', '.join(places)}"
 
 
 def service_note(service: ModelService, declared: bool = False) -> str | None:
@@ -155,8 +190,9 @@ def no_success_reason(job: dict[str, Any], errors_hint: str) -> str | None:
 
 
 def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False) -> int:
-    """Write to ``path`` (atomically, via a ``.partial`` file) or stdout (``live``: flush
-    every line, for ``--follow``)."""
+    """Write to ``path`` (atomically, via a ``.partial`` file) or stdout. ``live`` (for
+    ``--follow``): every line is flushed as it comes, to ``path`` itself, which grows shard by
+    shard."""
     count = 0
     if path is None or path == "-":
         out = sys.stdout.buffer
@@ -166,6 +202,13 @@ def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False
             if live or count % 64 == 0:
                 out.flush()
         out.flush()
+        return count
+    if live:
+        with open(path, "wb") as f:
+            for line in lines:
+                f.write(line)
+                f.flush()
+                count += 1
         return count
     tmp = f"{path}.partial"
     with open(tmp, "wb") as f:
@@ -182,30 +225,34 @@ def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False
 def cmd_run(args: argparse.Namespace) -> int:
     from worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
 
+    began = time.monotonic()
     settings = load_settings(worker_concurrency=args.concurrency, **_engine_overrides(args))
-    bar: Any = None
-    lock = threading.Lock()  # shard threads report progress concurrently
-
+    bar = RunProgress()
     started: list[dict[str, Any]] = []
 
     def on_start(job: dict[str, Any]) -> None:
-        nonlocal bar
         started.append(job)
         counts = job["request_counts"]
         if not args.quiet:
-            bar = tqdm(
-                total=counts["total"], initial=counts["failed"], unit="req", desc="conveyor run", file=sys.stderr
-            )
+            bar.start(counts["total"], counts["failed"])
 
-    def on_items(n: int) -> None:
-        if bar is not None:
-            with lock:
-                bar.update(n)
+    def on_loading() -> None:
+        if not args.quiet:
+            print(f"conveyor: loading model {args.model} ...", file=sys.stderr, flush=True)
+
+    def on_loaded(seconds: float, has_template: bool) -> None:
+        if args.quiet:
+            return
+        chat = {True: "on", False: "off"}.get(
+            args.chat, "on (auto)" if has_template else "off (auto: the model has no chat template)"
+        )
+        print(f"conveyor: model loaded in {seconds:.1f} s; chat template for prompt rows: {chat}", file=sys.stderr)
 
     try:
         job = run_job(
             settings, args.input, args.model, shard_size=args.shard_size, priority=args.priority,
-            input_format=args.format, on_start=on_start, on_items=on_items,
+            input_format=args.format, on_start=on_start, on_records=bar.add, submit_options=request_options(args),
+            on_loading=on_loading, on_loaded=on_loaded,
         )  # fmt: skip
     except KeyboardInterrupt as exc:
         job_id = getattr(exc, "job_id", None) or (started[0]["id"] if started else None)
@@ -219,17 +266,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     client = Client(settings)
     try:
+        kinds_failed: list[str] = []
         if job["status"] != "failed":
             _write_lines(client.result_bytes(job["id"]), args.output)
             if args.errors:
                 _write_lines(client.result_bytes(job["id"], errors=True), args.errors)
+            if job["request_counts"]["failed"]:
+                kinds, others = summarize_failures(client.result_bytes(job["id"], errors=True))
+                kinds_failed = [k.describe() for k in kinds] + ([f"{others} other kinds"] if others else [])
     finally:
         client.close()
-    print(_summary(job), file=sys.stderr)
+    print(run_summary(job, time.monotonic() - began, args.output, args.errors), file=sys.stderr)
+    if kinds_failed:
+        print(f"conveyor: why they failed: {'; '.join(kinds_failed)}", file=sys.stderr)
     why = no_success_reason(job, args.errors or "the errors file (--errors FILE writes it)")
     if why is not None:
         print(f"conveyor: error: no request succeeded: {why}", file=sys.stderr)
@@ -246,6 +298,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             args.priority,
             input_format=args.format,
             completion_window=args.completion_window,
+            **request_options(args),
         )
         live = JobStatus(job["status"]).terminal or client.model_service(job["model"]).live
         declared = is_declared(client.settings, job["model"])
@@ -311,9 +364,20 @@ def _show(job: dict[str, Any], as_json: bool) -> None:
         print(_summary(job))
 
 
+def _where(settings: Settings) -> str:
+    """The database a command read, for when it found nothing there."""
+    where = f"the database {redact_url(settings.database)}"
+    if settings.database_url is None:
+        where += f" (CONVEYOR_HOME={settings.home_dir}; set CONVEYOR_HOME or CONVEYOR_DATABASE_URL to read another)"
+    return where
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with _client() as client:
-        job = client.status(args.job)
+        try:
+            job = client.status(args.job)
+        except JobNotFound as exc:
+            raise JobNotFound(f"{exc} in {_where(client.settings)}") from None
         service = None if JobStatus(job["status"]).terminal else client.model_service(job["model"])
     note = None if service is None else service_note(service, is_declared(client.settings, job["model"]))
     if args.json:
@@ -325,9 +389,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLLOW_REPORT_SECONDS = 2.0
+
+
 def cmd_results(args: argparse.Namespace) -> int:
     with _client() as client:
-        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow)
+        last = [-FOLLOW_REPORT_SECONDS]
+
+        def report(index: int, num_shards: int) -> None:
+            """While following, say on stderr how far the job is (every couple of seconds)."""
+            if time.monotonic() - last[0] < FOLLOW_REPORT_SECONDS:
+                return
+            last[0] = time.monotonic()
+            job = client.status(args.job)
+            text = progress_text(job) or job["status"]
+            print(f"conveyor: waiting for shard {index + 1} of {num_shards}: {text}", file=sys.stderr, flush=True)
+
+        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow, on_wait=report)
         _write_lines(lines, args.output, live=args.follow)
     return 0
 
@@ -352,6 +430,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     with _client() as client:
         jobs = client.jobs(args.status or (), limit=args.limit, after=args.after)
+        if not jobs and not args.json:
+            print(f"conveyor: no jobs{' in that status' if args.status else ''} in {_where(client.settings)}",
+                  file=sys.stderr)  # fmt: skip
     if args.json:
         _print_json({"object": "list", "data": jobs, "has_more": len(jobs) == args.limit})
         return 0
@@ -614,10 +695,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
     run.add_argument("--priority", type=_positive_int, help="the job's priority: lower runs first (default 0)")
     run.add_argument(
-        "--concurrency", type=_positive_int, help="shards run at once (default CONVEYOR_WORKER_CONCURRENCY)"
-    )
+        "--concurrency", type=_positive_int, metavar="SHARDS",
+        help="shards run at once, not requests: every request of a running shard goes to the engine, which runs up "
+        "to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
+    )  # fmt: skip
     run.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_request_flags(run)
     run.set_defaults(fn=cmd_run)
 
     submit = sub.add_parser("submit", help="validate and enqueue a job; prints its id")
@@ -630,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--completion-window", help="e.g. 24h, 1h, 7d (up to 30d; default CONVEYOR_COMPLETION_WINDOW, 24h)"
     )
     submit.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_request_flags(submit)
     submit.set_defaults(fn=cmd_submit)
 
     worker = sub.add_parser("worker", help="serve a model's queue (Celery worker, threads pool)")
@@ -640,7 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(CONVEYOR_SERVED_MODEL_NAME)",
     )
     worker.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
-    worker.add_argument("--concurrency", type=_positive_int, help="shard tasks at once (default 4)")
+    worker.add_argument(
+        "--concurrency", type=_positive_int, metavar="SHARDS",
+        help="shard tasks at once, not requests: every request of a running shard goes to the engine, which runs "
+        "up to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
+    )  # fmt: skip
     worker.add_argument(
         "--tensor-parallel-size", type=_at_least_one, metavar="N",
         help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
@@ -689,7 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("job", help=JOB_HELP)
     results.add_argument("-o", "--output", help="write here instead of stdout")
     results.add_argument("--errors", action="store_true", help="the errors file instead")
-    results.add_argument("--follow", action="store_true", help="stream a running job's results as shards finish")
+    results.add_argument(
+        "--follow", action="store_true",
+        help="stream a running job's results as shards finish (to -o FILE as they come), with its progress on stderr",
+    )  # fmt: skip
     results.set_defaults(fn=cmd_results)
 
     cancel = sub.add_parser("cancel", help="cancel a job (results so far are kept)")

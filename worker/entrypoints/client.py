@@ -25,6 +25,7 @@ from sqlalchemy.engine import Engine
 from worker.batchio.peek import peek
 from worker.batchio.readers import detect_format
 from worker.batchio.records import InputFormat
+from worker.batchio.request_options import RequestOptions
 from worker.broker.config import celery_app
 from worker.broker.queues import DEFAULT_QUEUE, check_broker, enqueue_shards, queue_name
 from worker.core.settings import Settings, get_settings
@@ -117,13 +118,32 @@ class Client:
         completion_window: str | None = None,
         enqueue: bool = True,
         on_created: Callable[[str], None] | None = None,
+        chat: bool | None = None,
+        system_prompt: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        n: int | None = None,
+        response_format: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Validate and store the input, create the job and enqueue its shards on the
         model's queue; returns the job (``status`` ``failed`` if the input was rejected as a
         whole). ``input_format`` forces the format (else its content and name decide);
         ``metadata``: OpenAI's (at most 16 string pairs); ``completion_window``: ``"24h"``,
         ``"7d"``, ... (default ``CONVEYOR_COMPLETION_WINDOW``). ``enqueue=False`` leaves the
-        shards for an in-process runner; ``on_created(job_id)`` runs once the job exists."""
+        shards for an in-process runner; ``on_created(job_id)`` runs once the job exists.
+
+        Request options, for every line: ``chat`` renders plain ``prompt`` rows through the
+        model's chat template (None, the default: when the model has one; False: never);
+        ``system_prompt`` goes first in every chat request without a system message of its
+        own; ``max_tokens`` ... ``response_format`` are defaults under each line's own fields
+        (OpenAI's body fields; a line's value wins)."""
+        request_options = RequestOptions.from_fields(
+            chat=chat, system_prompt=system_prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, stop=stop, n=n, response_format=response_format,
+        )  # fmt: skip
         fmt = InputFormat(input_format) if input_format is not None else None
         sender = None
         if enqueue:
@@ -150,6 +170,7 @@ class Client:
                 priority=priority or 0,
                 input_format=fmt,
                 completion_window=completion_window,
+                request_options=request_options,
             )
             return submit_job(
                 self.db, self.store, self.settings, peeked, options,
@@ -206,11 +227,18 @@ class Client:
     # ---- results ------------------------------------------------------------------------
 
     def result_bytes(
-        self, job_id: str, errors: bool = False, *, follow: bool = False, poll: float = 0.5
+        self,
+        job_id: str,
+        errors: bool = False,
+        *,
+        follow: bool = False,
+        poll: float = 0.5,
+        on_wait: Callable[[int, int], None] | None = None,
     ) -> Iterator[bytes]:
         """The results (or errors) file's lines as bytes. A finished job's come from its
         file; with ``follow`` a running job's come shard by shard as they finish (the same
-        lines, in the same order, as the file will hold)."""
+        lines, in the same order, as the file will hold), and ``on_wait(shard_index,
+        num_shards)`` is called at each poll while the next shard runs."""
         job = get_job(self.db, job_id)
         status = JobStatus(job["status"])
         if status is JobStatus.failed:
@@ -234,7 +262,7 @@ class Client:
                 f"job {job_id} is {status.value}; its results are ready when it completes "
                 "(wait for it, or follow the results as shards finish)"
             )
-        return iter_job_output(source, self._follow_shards(job_id, poll), errors=errors)
+        return iter_job_output(source, self._follow_shards(job_id, poll, on_wait), errors=errors)
 
     def results(
         self,
@@ -261,7 +289,9 @@ class Client:
             count += 1
         return count
 
-    def _follow_shards(self, job_id: str, poll: float) -> Iterator[tuple[int, bool]]:
+    def _follow_shards(
+        self, job_id: str, poll: float, on_wait: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[int, bool]]:
         done = (ShardStatus.completed, ShardStatus.failed, ShardStatus.cancelled)
         index = 0
         while True:
@@ -277,6 +307,8 @@ class Client:
                 index += 1
                 continue
             self._expire_if_due(job_id)  # its window may pass while we follow
+            if on_wait is not None:
+                on_wait(index, num)
             time.sleep(poll)
 
 

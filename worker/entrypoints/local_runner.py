@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from worker.batchio.request_options import RequestOptions
 from worker.core.settings import Settings
 from worker.entrypoints.client import Client, InputSource
 from worker.execution.context import WorkerContext
@@ -19,6 +20,7 @@ from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import EngineHost
 from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
 from worker.jobs.finalize import finalize_if_ready
+from worker.store.items import ItemRecord
 from worker.store.models import JobStatus
 
 log = logging.getLogger(__name__)
@@ -57,24 +59,50 @@ def run_job(
     on_start: Callable[[dict[str, Any]], None] | None = None,
     on_items: Callable[[int], None] | None = None,
     host_factory: Callable[[], EngineHost] | None = None,
+    submit_options: dict[str, Any] | None = None,
+    on_records: Callable[[Sequence[ItemRecord]], None] | None = None,
+    on_loading: Callable[[], None] | None = None,
+    on_loaded: Callable[[float, bool], None] | None = None,
 ) -> dict[str, Any]:
     """Submit ``source`` without a broker, run every shard here, return the final job.
     ``on_start(job)`` runs once the input is validated (e.g. to size a progress bar).
-    Ctrl-C cancels the job (results so far are kept) and re-raises."""
+    Ctrl-C cancels the job (results so far are kept) and re-raises. ``submit_options``: more
+    of ``Client.submit``'s keywords (the request options); ``chat`` left to auto is decided
+    here, where the model is loaded, so the job shows what was done. ``on_records(records)``:
+    items newly stored (tokens and all); ``on_loading()`` before the model loads and
+    ``on_loaded(seconds, has_chat_template)`` after."""
     if concurrency is not None and not 1 <= concurrency <= 256:
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
     if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
         raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
+    # Bad options are named before the model loads (seconds to minutes).
+    RequestOptions.from_fields(**(submit_options or {})).check(settings.input_limits())
     client = Client(settings)
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.create(settings, model, on_items=on_items, host_factory=host_factory)
-        ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        if on_records is not None:
+            ctx.item_listeners.append(on_records)
+        if on_loading is not None:
+            on_loading()
+        loading = time.monotonic()
+        host = ctx.host()  # load the model first: a model that cannot load is an error, not a job
+        has_template = bool(getattr(host.tokenizer, "chat_template", None))
+        if on_loaded is not None:
+            on_loaded(time.monotonic() - loading, has_template)
+        options = dict(submit_options or {})
+        if options.get("chat") is None:
+            options["chat"] = has_template
+        elif options["chat"] and not has_template:
+            raise ValueError(
+                f"--chat: model {model} has no chat template; run it with --no-chat, or leave chat to auto"
+            )
         created: list[str] = []
         try:
             job = client.submit(
-                source, model, shard_size, priority, input_format=input_format, enqueue=False, on_created=created.append
-            )
+                source, model, shard_size, priority, input_format=input_format, enqueue=False,
+                on_created=created.append, **options,
+            )  # fmt: skip
             if JobStatus(job["status"]).terminal:
                 if on_start is not None:
                     on_start(job)

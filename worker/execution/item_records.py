@@ -20,6 +20,10 @@ from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
 
 Decode = Callable[[list[int]], str]
+NO_TEMPLATE = (
+    "the job asks for chat (--chat, chat=true) but this model's tokenizer has no chat template; submit it with "
+    "--no-chat (chat=false) to send prompts as they are"
+)
 
 
 def clean_text(text: str) -> str:
@@ -37,10 +41,18 @@ class ItemContext:
     worker_id: str
 
 
-def engine_prompt(req: ParsedRequest) -> Any:
-    """The prompt in the form ``LLMEngine.add_request`` takes."""
+def engine_prompt(req: ParsedRequest, *, chat_template: bool = False) -> Any:
+    """The prompt in the form ``LLMEngine.add_request`` takes. ``chat_template``: the model's
+    tokenizer has one, so a ``prompt`` row in auto chat mode is rendered through it (as one
+    user message after the job's system prompt); the engine renders messages, once.
+    ``ValueError`` when the job asks for chat and the model has no template."""
     if req.messages is not None:
         return {"messages": req.messages, "tools": req.tools.tools} if req.tools else {"messages": req.messages}
+    if req.chat is True and not chat_template:
+        raise ValueError(NO_TEMPLATE)
+    if isinstance(req.prompt, str) and (req.chat or (req.chat is None and chat_template)):
+        system = [{"role": "system", "content": req.system_prompt}] if req.system_prompt else []
+        return {"messages": [*system, {"role": "user", "content": req.prompt}]}
     return req.prompt
 
 

@@ -37,6 +37,7 @@ message back on the queue).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -232,7 +233,9 @@ class ShardRunner:
         ctx = self.ctx
         with ctx.db.connect() as conn:
             job = conn.execute(
-                select(Job.status, Job.model, Job.priority, Job.expires_at, Job.owner).where(Job.id == self.job_id)
+                select(Job.status, Job.model, Job.model_name, Job.priority, Job.expires_at, Job.owner).where(
+                    Job.id == self.job_id
+                )
             ).one_or_none()
         if job is None:
             return self._outcome("skipped", reason="no such job")
@@ -246,6 +249,8 @@ class ShardRunner:
             return self._outcome("skipped", reason=f"job is for model {job.model}")
         if ctx.state.draining:
             return self._outcome("handed_back", reason="the worker is stopping")
+        # Results name the model as the job did (the served name, or the path as typed).
+        self._item_ctx = dataclasses.replace(self._item_ctx, model=job.model_name or job.model)
         if not acquire_lease(ctx.db, self.job_id, self.index, self.owner, ctx.settings.lease_seconds):
             return self._after_skip()
         shard = self._shard()
@@ -403,17 +408,19 @@ class ShardRunner:
         s = ctx.settings
         finished: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         host = ctx.host()
+        chat_template = bool(getattr(host.tokenizer, "chat_template", None))
         self._handles = {}
         for req in requests:
             try:
                 params = sampling_params(req, self._cache_salt)
+                prompt = engine_prompt(req, chat_template=chat_template)
             except ValueError as exc:
                 self._buffer.add(
                     error_record(self._item_ctx, req, code="invalid_value", message=str(exc), status_code=400)
                 )
                 continue
             handle = host.submit(
-                engine_prompt(req),
+                prompt,
                 params,
                 priority=order.priority,
                 deadline=order.deadline,

@@ -15,6 +15,7 @@ from worker.batchio.line_reader import ByteStream
 from worker.batchio.output_lines import dumps_line, line_error_line
 from worker.batchio.readers import iter_input
 from worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import InputLimits
 from worker.jobs import object_keys
 from worker.store.objects.base import ObjectStore, ObjectWriter
@@ -108,11 +109,13 @@ def ingest(
     shard_size: int,
     max_shards: int,
     copy_input: bool = True,
+    options: RequestOptions | None = None,
 ) -> IntakeResult:
     """Validate ``source`` into ``job_store``; ``InputError`` if the input as a whole is
-    unacceptable (nothing half-written is left as if it were complete; the error's
-    ``endpoint`` is the first valid request's before the problem, if any). ``copy_input``
-    False: the input is already stored (it is not copied to ``input.*``)."""
+        unacceptable (nothing half-written is left as if it were complete; the error's
+        ``endpoint`` is the first valid request's before the problem, if any). ``copy_input``
+        False: the input is already stored (it is not copied to ``input.*``). ``options``: the job's
+    request options, applied to every line as it is read."""
     result = IntakeResult()
     shards = _ShardWriter(job_store, shard_size, max_shards)
     with contextlib.ExitStack() as files:
@@ -120,7 +123,7 @@ def ingest(
         if copy_input:
             source = _Tee(source, files.enter_context(job_store.open_write(object_keys.input_key(input_format.value))))
         try:
-            for entry in iter_input(source, limits, input_format):
+            for entry in iter_input(source, limits, input_format, options):
                 result.total += 1
                 if isinstance(entry, LineError):
                     result.invalid += 1

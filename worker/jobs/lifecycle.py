@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from worker.jobs import object_keys
 from worker.jobs.finalize import finalize_if_ready, finalize_job
+from worker.jobs.progress import live_batch_object
 from worker.store.database import make_sessionmaker
 from worker.store.items import refresh_job_counts
 from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
@@ -28,7 +29,8 @@ class JobNotFound(LookupError):
 
 
 def get_job(db: Engine, job_id: str, *, refresh: bool = False) -> dict[str, Any]:
-    """The batch object; ``refresh`` recomputes a live job's request counts first."""
+    """The batch object; ``refresh`` recomputes a live job's request counts first, and shows
+    its usage so far and its ``progress`` (``worker.jobs.progress``)."""
     object_keys.check_job_id(job_id)
     with make_sessionmaker(db)() as session:
         job = session.get(Job, job_id)
@@ -42,7 +44,7 @@ def get_job(db: Engine, job_id: str, *, refresh: bool = False) -> dict[str, Any]
     with make_sessionmaker(db)() as session:
         job = session.get(Job, job_id)
         assert job is not None
-        return job.as_batch_object()
+        return live_batch_object(db, job) if refresh else job.as_batch_object()
 
 
 MAX_LIST_LIMIT = 1000

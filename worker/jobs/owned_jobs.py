@@ -16,8 +16,8 @@ from sqlalchemy.engine import Engine
 from worker.jobs import object_keys
 from worker.jobs.expiry import expire_if_due
 from worker.jobs.lifecycle import JobNotFound, request_cancel
+from worker.jobs.progress import live_batch_object
 from worker.store.database import make_sessionmaker
-from worker.store.items import item_counts
 from worker.store.models import Job, JobStatus, now
 from worker.store.objects.base import ObjectStore
 
@@ -50,16 +50,7 @@ def _due(job: Job) -> bool:
 
 
 def _view(db: Engine, job: Job) -> dict[str, Any]:
-    obj = job.as_batch_object()
-    status = JobStatus(job.status)
-    if status is JobStatus.in_progress or (status is JobStatus.cancelling and job.finalizing_at is None):
-        succeeded, failed = item_counts(db, job.id)
-        obj["request_counts"] = {
-            "total": job.total_requests,
-            "completed": succeeded,
-            "failed": job.invalid_requests + failed,
-        }
-    return obj
+    return live_batch_object(db, job)  # a live job's counts and usage so far
 
 
 def owned_batch(

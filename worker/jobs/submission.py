@@ -19,7 +19,7 @@ for a job with none).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import insert, select, update
@@ -29,6 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from worker.batchio.line_reader import ByteStream
 from worker.batchio.records import InputError, InputFormat
 from worker.batchio.request_body import CHAT
+from worker.batchio.request_options import RequestOptions
 from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
 from worker.jobs import object_keys
@@ -54,6 +55,8 @@ class SubmitOptions:
     priority: int = 0
     input_format: InputFormat = InputFormat.jsonl
     completion_window: str | None = None  # None: CONVEYOR_COMPLETION_WINDOW
+    # Chat, system prompt and sampling defaults for every line (checked by ``check_options``).
+    request_options: RequestOptions = field(default_factory=RequestOptions)
 
 
 # OpenAI's rules for a batch's metadata.
@@ -97,6 +100,7 @@ def check_options(settings: Settings, options: SubmitOptions) -> tuple[str, int,
         raise ValueError(
             f"priority must be an integer from 0 to {settings.max_priority} (CONVEYOR_MAX_PRIORITY), got {priority!r}"
         )
+    options.request_options.check(settings.input_limits())
     return model, shard_size, priority
 
 
@@ -132,6 +136,7 @@ def submit_job(
                 id=job_id, status=JobStatus.validating, model=model, priority=priority, endpoint=CHAT,
                 input_format=fmt.value, shard_size=shard_size, meta=metadata,
                 input_uri=job_store.uri(object_keys.input_key(fmt.value)),
+                request_options=options.request_options.to_json(), model_name=options.model.strip(),
                 completion_window=window, created_at=created, updated_at=created,
                 expires_at=created + window_seconds,
             )
@@ -141,7 +146,7 @@ def submit_job(
     try:
         intake = ingest(
             source, job_store, job_id, limits=settings.input_limits(), input_format=fmt,
-            shard_size=shard_size, max_shards=settings.max_shards_per_job,
+            shard_size=shard_size, max_shards=settings.max_shards_per_job, options=options.request_options,
         )  # fmt: skip
     except InputError as exc:
         _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
@@ -214,6 +219,7 @@ def create_job(
                     completion_window=window, created_at=created, updated_at=created,
                     expires_at=created + window_seconds, owner=owner, input_file_id=input_file_id,
                     idempotency_key=idempotency_key, notify=notify,
+                    request_options=options.request_options.to_json(), model_name=options.model.strip(),
                 )
             )  # fmt: skip
     except IntegrityError:
@@ -243,7 +249,9 @@ def ingest_job(
     caller retries)."""
     with db.connect() as conn:
         row = conn.execute(
-            select(Job.status, Job.input_uri, Job.input_format, Job.shard_size).where(Job.id == job_id)
+            select(Job.status, Job.input_uri, Job.input_format, Job.shard_size, Job.request_options).where(
+                Job.id == job_id
+            )
         ).one_or_none()
     if row is None:
         raise JobNotFound(f"no job {job_id}")
@@ -261,6 +269,7 @@ def ingest_job(
             intake = ingest(
                 source, job_store, job_id, limits=settings.input_limits(), input_format=fmt,
                 shard_size=row.shard_size, max_shards=settings.max_shards_per_job, copy_input=False,
+                options=RequestOptions.from_json(row.request_options),
             )  # fmt: skip
         except InputError as exc:
             _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)

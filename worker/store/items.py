@@ -169,12 +169,3 @@ def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
             )
         )
     return metrics
-
-
-def item_counts(engine: Engine, job_id: str) -> tuple[int, int]:
-    """``(succeeded, failed)`` items stored for a job so far: read only (``refresh_job_counts``
-    stores them on the job)."""
-    stmt = select(Item.status, func.count()).where(Item.job_id == job_id).group_by(Item.status)
-    with engine.connect() as conn:
-        counts = {ItemStatus(status): int(n) for status, n in conn.execute(stmt)}
-    return counts.get(ItemStatus.succeeded, 0), counts.get(ItemStatus.failed, 0)

@@ -182,6 +182,12 @@ class Job(Base):
     # the announcement was published; ``worker.jobs.announcements``).
     notify: Mapped[dict[str, Any] | None] = mapped_column(NullableJSONType)
     notified_at: Mapped[float | None] = mapped_column(Double)
+    # What applies to every line (``worker.batchio.request_options``): chat, the system prompt,
+    # sampling defaults; NULL when all are at their defaults.
+    request_options: Mapped[dict[str, Any] | None] = mapped_column(NullableJSONType)
+    # The model as the job was submitted (``model`` is canonical: a local path made absolute);
+    # the results' ``model`` field, as OpenAI's responses carry the requested model.
+    model_name: Mapped[str | None] = mapped_column(String(MODEL_LEN))
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
@@ -201,7 +207,8 @@ class Job(Base):
     def as_batch_object(self) -> dict[str, Any]:
         """The job as OpenAI's batch object (what ``status --json`` and the client show): it
         validates as ``openai.types.Batch``. Extra fields: ``priority``, the files' URIs
-        (``input_uri``, ``output_uri``, ``error_uri``), ``metrics``, ``shard_size``, ``num_shards``."""
+        (``input_uri``, ``output_uri``, ``error_uri``), ``metrics``, ``shard_size``, ``num_shards``,
+        ``request_options`` (chat, system prompt, sampling defaults)."""
 
         def ts(value: float | None) -> int | None:
             return None if value is None else int(value)
@@ -253,6 +260,18 @@ class Job(Base):
             "metadata": self.meta,
             "shard_size": self.shard_size,
             "num_shards": self.num_shards,
+            "request_options": self.request_options_shown(),
+            "progress": None,  # a live job's, filled in by ``worker.jobs.progress``
+        }
+
+    def request_options_shown(self) -> dict[str, Any]:
+        """The job's request options as its batch object shows them: ``chat`` as ``auto``,
+        ``on`` or ``off``, the system prompt, the sampling defaults."""
+        opts = self.request_options or {}
+        return {
+            "chat": opts.get("chat") or "auto",
+            "system_prompt": opts.get("system_prompt"),
+            "defaults": opts.get("defaults") or {},
         }
 
 

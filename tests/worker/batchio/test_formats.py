@@ -338,7 +338,7 @@ def test_csv_with_a_prompt_column() -> None:
 
 
 def test_csv_without_a_prompt_column_is_refused() -> None:
-    with pytest.raises(InputError, match="no 'prompt' column"):
+    with pytest.raises(InputError, match="no 'prompt' or 'messages' column"):
         list(iter_input(io.BytesIO(b"text,id\nhello,1\n"), LIMITS, "csv"))
 
 

@@ -159,7 +159,8 @@ def test_debug_shows_the_traceback_behind_a_one_line_error(tmp_path) -> None:
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
     plain = cli("status", missing)
-    assert plain.returncode == 1 and plain.stderr == f"conveyor: error: no job {missing}\n", plain.stderr
+    assert plain.returncode == 1 and plain.stderr.startswith(f"conveyor: error: no job {missing} in the database ")
+    assert plain.stderr.count("\n") == 1, plain.stderr
     debug = cli("--debug", "status", missing)
     assert debug.returncode == 1, debug.stderr
     assert debug.stderr.startswith("Traceback (most recent call last):"), debug.stderr
