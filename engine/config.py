@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.admission import ADMISSION_POLICIES
 from engine.cpu_threads import check_cpu_threads
-from engine.scheduler import WAITING_QUEUES
 from engine.spec_decode.config import SpeculativeConfig
+from engine.waiting_queues import SCHEDULING_POLICIES
 
-SCHEDULING_POLICIES = tuple(WAITING_QUEUES)
+if TYPE_CHECKING:
+    from engine.models.model_config import ModelSpec
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Whose forward pass runs the model: ``native`` (ours, ``engine.models.registry``),
 # ``transformers`` (transformers' layers with our paged attention plugged in,
@@ -143,6 +146,27 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size {size} needs {size} GPUs, but {torch.cuda.device_count()} are visible"
             )
+
+    def max_model_len_for(self, model_spec: ModelSpec, model_impl: str) -> int:
+        """The longest sequence this engine takes: ``max_model_len`` when set (checked against
+        the model's limit), else the model's limit (under the transformers fallback, which
+        attends to the full context, no more than its sliding window)."""
+        limit = model_spec.max_position_embeddings
+        if model_spec.sliding_window and model_impl == "transformers":
+            limit = min(limit, model_spec.sliding_window)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            window = " (its sliding window)" if limit == model_spec.sliding_window else ""
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {limit}{window}")
+        return self.max_model_len
+
+    @property
+    def logit_rows_per_seq(self) -> int:
+        """The most rows of one sequence whose logits a step keeps: 1, or with speculative
+        decoding its decode and every proposal (all verified at once)."""
+        spec = self.speculative_config
+        return 1 if spec is None else 1 + SpeculativeConfig.from_value(spec).num_speculative_tokens
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from engine import LLM
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_result import NewTokens, StepResult
 from tests.engine.reference import HFReference
 
 # Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
@@ -82,6 +86,21 @@ def spy(monkeypatch, obj: object, name: str) -> list[tuple[tuple[Any, ...], Any]
 
     monkeypatch.setattr(obj, name, recording)
     return calls
+
+
+def step_without_model(
+    sched: Scheduler, token_of: Callable[[Request], int] = lambda req: 7
+) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step with the model left out: schedule, and every request whose scheduled
+    chunk reaches its last token produces ``token_of(req)``; the scheduler's own update does
+    the rest. Returns the step's plan and the requests it finished."""
+    out = sched.schedule()
+    produced = [
+        NewTokens(req, [token_of(req)])
+        for req, n in zip(out.requests, out.num_new_tokens, strict=True)
+        if req.num_computed_tokens + n >= req.num_tokens
+    ]
+    return out, sched.update_from_output(out, StepResult(produced))
 
 
 def record_steps(monkeypatch, scheduler) -> list[list[tuple[int, int, int]]]:

@@ -1,0 +1,30 @@
+"""What one executed step hands back to the scheduler: the tokens each request produced and
+how long it took. The runner fills it; ``Scheduler.update_from_output`` is the
+only reader that changes a request's state from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class NewTokens:
+    """The tokens one request produced this step: one sampled token, or (speculative decoding)
+    the proposals the target accepted followed by its own token."""
+
+    req: Request
+    token_ids: list[int]
+    # One entry per token when the request asked for logprobs; None otherwise.
+    logprobs: list[dict[int, float] | None] | None = None
+    # Proposed tokens computed this step that the target rejected: their K/V is stale.
+    num_rejected: int = 0
+
+
+@dataclass
+class StepResult:
+    # The requests that produced tokens, in the order their outputs are reported.
+    new_tokens: list[NewTokens] = field(default_factory=list)
+    # Seconds from the start of scheduling to the end of the forward pass and sampling.
+    duration_s: float = 0.0
