@@ -76,16 +76,18 @@ class LLMEngine:
         self.config = config
         # Before anything runs torch operators (loading the weights included); the ranks of
         # tensor parallelism split this count between them (``ModelRunner``).
-        self.cpu_budget = cpu_budget(config.cpu_threads)
+        self.cpu_budget = cpu_budget(config.parallel.cpu_threads)
         apply_cpu_budget(self.cpu_budget)
         log.info("engine: %s", self.cpu_budget.describe())
-        if config.attention_backend == "triton":
+        if config.model.attention_backend == "triton":
             # Triton chooses its CPU interpreter when first imported, and transformers imports
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
             prepare_interpreter(config.resolve_device())
-        model_path = resolve_model_path(config.model, config.revision)
-        self.model_spec, self.model_impl = load_spec(model_path, config.model_impl)
-        tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
+        model_path = resolve_model_path(config.model.model, config.model.revision)
+        self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl)
+        tok_path = (
+            resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else model_path
+        )
         tok_begin = time.perf_counter()
         self.tokenizer = load_tokenizer(tok_path)
         startup.tokenizer = time.perf_counter() - tok_begin
@@ -100,15 +102,15 @@ class LLMEngine:
             max_len,
             startup=startup,
             model_impl=self.model_impl,
-            extra_block_bytes=self.speculator.block_bytes(config.block_size),
+            extra_block_bytes=self.speculator.block_bytes(config.cache.block_size),
         )
         self.speculator.attach(self.runner)
         kv_begin = time.perf_counter()
         released_beyond, margin = window_release(self.model_spec, self.model_impl, self.speculator.draft)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
+            config.cache.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
             namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
             release_window=released_beyond,
             window_margin=margin,
@@ -118,18 +120,18 @@ class LLMEngine:
         # A request never grows past what the whole cache can hold, so it always fits alone;
         # without chunked prefill it must also fit one step's budget, or (re)admitting it never
         # could happen.
-        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.block_size)
-        if not config.enable_chunked_prefill:
-            self.max_request_tokens = min(self.max_request_tokens, config.max_num_batched_tokens)
+        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.cache.block_size)
+        if not config.scheduler.enable_chunked_prefill:
+            self.max_request_tokens = min(self.max_request_tokens, config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            admission=config.admission_policy,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            policy=config.scheduler.scheduling_policy,
+            admission=config.scheduler.admission_policy,
             chunk_controller=make_chunk_controller(
-                config.target_itl_ms, config.block_size, config.max_num_batched_tokens
+                config.scheduler.target_itl_ms, config.cache.block_size, config.scheduler.max_num_batched_tokens
             ),
         )
         eos = set(self.model_spec.eos_token_ids)
@@ -146,7 +148,7 @@ class LLMEngine:
         # parallelism), or on CPU what the tuner picks under it.
         self._base_threads = self._step_threads = torch.get_num_threads()
         budget = self.cpu_budget
-        tunable = self.runner.device.type == "cpu" and config.tensor_parallel_size == 1 and budget.derived
+        tunable = self.runner.device.type == "cpu" and config.parallel.tensor_parallel_size == 1 and budget.derived
         self.thread_tuner = ThreadTuner(budget.threads) if tunable and budget.threads > 1 else None
         sync(self.runner.device)
         startup.total = time.perf_counter() - begin
@@ -188,10 +190,14 @@ class LLMEngine:
             )
         ids, text = self.tokenize(prompt)
         if len(ids) >= self.max_request_tokens:
-            budget = "" if self.config.enable_chunked_prefill else ", max_num_batched_tokens without chunked prefill"
+            budget = (
+                ""
+                if self.config.scheduler.enable_chunked_prefill
+                else ", max_num_batched_tokens without chunked prefill"
+            )
             raise ValueError(
                 f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
-                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
+                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.kv.block_size} "
                 f"tokens{budget}) to leave room for one generated token"
             )
         new_matcher = self.structured.matchers_for(params.structured_outputs)

@@ -61,7 +61,7 @@ class ModelRunner:
         self.model_spec = spec
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         # Bytes another cache indexed by the same block ids takes per block (a draft model's).
         self.extra_block_bytes = extra_block_bytes
         begin = time.perf_counter()
@@ -70,15 +70,15 @@ class ModelRunner:
         # The layers read this process's one parallel state: one such engine per process.
         self.ranks = start_ranks(config, spec, model_path, max_model_len, model_impl, self.device, ModelRunner)
         self.tp = parallel_state.current()
-        assert self.tp.world_size == config.tensor_parallel_size
+        assert self.tp.world_size == config.parallel.tensor_parallel_size
         self.device = self.tp.device_for(self.device)
         # Stop the ranks when this runner goes (or the process exits), whatever the path.
         weakref.finalize(self, self.ranks.close)
         self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
         sync(self.device)
         startup.weights += time.perf_counter() - begin
-        self.backend = create_backend(config.attention_backend, self.device)
-        self.sampler = Sampler(self.device, config.seed)
+        self.backend = create_backend(config.model.attention_backend, self.device)
+        self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
         self.num_blocks = self._agreed_num_blocks()
@@ -102,7 +102,7 @@ class ModelRunner:
         self.row_hooks: list[RowHook] = [PromptLogprobsHook()]
         self.graphs: DecodeGraphs | None = None
         self.executor: Executor = choose_executor(self, self.ranks, None)
-        if graphs_apply(self.device, config.enforce_eager, self._why_no_graphs()):
+        if graphs_apply(self.device, config.model.enforce_eager, self._why_no_graphs()):
             begin = time.perf_counter()
             self.capture_decode_graphs()
             sync(self.device)
@@ -121,28 +121,30 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         config, spec = self.config, self.model_spec
-        if config.num_kv_blocks is not None:
+        if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
-            return config.num_kv_blocks
+            return config.cache.num_kv_blocks
         per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.
-        tokens = config.max_num_batched_tokens
+        tokens = config.scheduler.max_num_batched_tokens
         activation = tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size) * elem * 2
-        logit_rows = min(config.max_num_batched_tokens, config.max_num_seqs * config.logit_rows_per_seq)
+        logit_rows = min(
+            config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * config.logit_rows_per_seq
+        )
         activation += logit_rows * spec.vocab_size * 4 * 3
         limit = available_kv_bytes(config, self.device, activation)
-        if config.kv_cache_memory_bytes is not None:
-            budget, self.kv_budget_source = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        if config.cache.kv_cache_memory_bytes is not None:
+            budget, self.kv_budget_source = config.cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cpu":
             weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
             budget = min(limit, cpu_default_kv_bytes(config, weights, per_block // self.block_size, self.max_model_len))
             self.kv_budget_source = "CPU default: the weights' size, set kv_cache_memory_bytes to change"
         else:
-            budget, self.kv_budget_source = limit, f"gpu_memory_utilization={config.gpu_memory_utilization}"
+            budget, self.kv_budget_source = limit, f"gpu_memory_utilization={config.cache.gpu_memory_utilization}"
         # More blocks than every sequence at full length could use is memory nobody needs.
-        useful = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        useful = config.scheduler.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(
@@ -156,7 +158,7 @@ class ModelRunner:
     def capture_decode_graphs(self, graph_factory=None) -> None:
         """Capture the decode batches as CUDA graphs (``graph_factory``: tests replace the
         CUDA graph with one that replays by calling, to run this path on CPU)."""
-        max_batch = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch_size)
+        max_batch = min(self.config.scheduler.max_num_seqs, self.config.model.cuda_graph_max_batch_size)
         self.graphs = DecodeGraphs(
             self.model,
             self.backend,

@@ -48,7 +48,7 @@ def start_ranks(
     state = parallel_state.current()
     if state.enabled and state.rank == 0:
         raise RuntimeError("a tensor-parallel engine is already running in this process; shut it down first")
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     if size == 1 or state.enabled:  # (a rank that rank 0 started runs no ranks of its own)
         return SingleRank()
     if model_impl != "native":

@@ -55,7 +55,7 @@ def _serve(args: RankArgs, doorbell: Connection, runner_factory: RunnerFactory) 
         torch.cuda.set_device(args.rank)
     else:
         torch.set_num_threads(args.cpu_threads)
-    if args.config.attention_backend == "triton":
+    if args.config.model.attention_backend == "triton":
         prepare_interpreter(device)
     store = dist.TCPStore(HOST, args.port, args.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(f"joined/{args.rank}", "1")

@@ -159,9 +159,9 @@ def load_speculator(
     config: EngineConfig, target_spec: ModelSpec, tokenizer: Any, max_model_len: int
 ) -> Speculator | NoSpeculation:
     """The engine's speculator (with its draft model loaded, for ``method="draft"``), or none."""
-    if config.speculative_config is None:
+    if config.speculative is None:
         return NoSpeculation()
-    spec_config = SpeculativeConfig.from_value(config.speculative_config)
+    spec_config = SpeculativeConfig.from_value(config.speculative)
     draft = None
     if spec_config.method == "draft":
         device = config.resolve_device()
@@ -169,7 +169,7 @@ def load_speculator(
             spec_config,
             target_spec,
             tokenizer,
-            attention_backend=config.attention_backend,
+            attention_backend=config.model.attention_backend,
             max_model_len=max_model_len,
             dtype=config.resolve_dtype(target_spec.checkpoint_dtype, device),
             device=device,
