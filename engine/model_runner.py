@@ -30,6 +30,7 @@ from engine.distributed.leader import start_ranks
 from engine.distributed.sharding import local_kv_heads
 from engine.distributed.step_inputs import StepInputs
 from engine.executors import Executor, choose_executor
+from engine.models.llama import kernel_ops, use_kernel_ops
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
 from engine.prompt_logprobs import PromptLogprobsHook
@@ -78,6 +79,7 @@ class ModelRunner:
         sync(self.device)
         startup.weights += time.perf_counter() - begin
         self.backend = create_backend(config.model.attention_backend, self.device)
+        use_kernel_ops(self.model, kernel_ops(self.device, self.backend.name))
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
