@@ -99,9 +99,9 @@ class PrefillChunkController:
     def observe_step(self, out: SchedulerOutput, duration_s: float) -> None:
         """A step that ran ``out`` (its requests' computed tokens not advanced yet) took
         ``duration_s``; a decode verifying proposals is still a decode."""
-        spec = out.num_spec_tokens
+        num_spec = out.num_spec_tokens
         prefills = [
-            is_prefill(req, n - spec.get(req.seq_id, 0))
+            is_prefill(req, n - num_spec.get(req.seq_id, 0))
             for req, n in zip(out.requests, out.num_new_tokens, strict=True)
         ]
         self.observe(duration_s, had_decodes=not all(prefills), had_prefill=any(prefills))

@@ -47,7 +47,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        spec: ModelSpec,
+        model_spec: ModelSpec,
         model_path: Path,
         max_model_len: int,
         *,
@@ -59,7 +59,7 @@ class ModelRunner:
         self.startup = startup = startup if startup is not None else StartupTimings(started_at=time.time())
         self.config = config
         self.max_model_len = max_model_len
-        self.model_spec = spec
+        self.model_spec = spec = model_spec
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(spec.checkpoint_dtype, self.device)
         self.block_size = config.cache.block_size

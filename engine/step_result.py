@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class NewTokens:
     """The tokens one request produced this step: one sampled token, or (speculative decoding)
     the proposals the target accepted followed by its own token."""

@@ -64,7 +64,7 @@ def start_ranks(
         port=0,
         backend="nccl" if device.type == "cuda" else "gloo",
         config=config,
-        spec=model_spec,
+        model_spec=model_spec,
         model_path=model_path,
         max_model_len=max_model_len,
         model_impl=model_impl,

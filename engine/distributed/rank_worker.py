@@ -30,7 +30,7 @@ class StepRunner(Protocol):
     def run_step(self, inputs: StepInputs) -> torch.Tensor | None: ...
 
 
-# Builds a rank's runner: (config, spec, model path, max model length, model_impl=...).
+# Builds a rank's runner: (config, model spec, model path, max model length, model_impl=...).
 RunnerFactory = Callable[..., StepRunner]
 
 
@@ -63,7 +63,9 @@ def _serve(args: RankArgs, doorbell: Connection, runner_factory: RunnerFactory) 
         args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=COLLECTIVE_TIMEOUT
     )
     parallel_state.set_state(ParallelState(args.rank, args.world_size, dist.group.WORLD))
-    runner = runner_factory(args.config, args.spec, args.model_path, args.max_model_len, model_impl=args.model_impl)
+    runner = runner_factory(
+        args.config, args.model_spec, args.model_path, args.max_model_len, model_impl=args.model_impl
+    )
     while True:
         try:
             header = doorbell.recv_bytes()
