@@ -8,7 +8,8 @@ import torch
 
 from engine import LLM
 from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.step_result import NewTokens, StepResult
 from tests.engine.reference import HFReference
 
