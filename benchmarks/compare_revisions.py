@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("engine_mixed", "engine_uniform")
 
 
-def child(size: str, requests: int, max_output: int, uniform: int) -> None:
+def child(size: str, requests: int, max_output: int, uniform: int, cpu_threads: int | None) -> None:
     """One timed run in this process, against whichever tree PYTHONPATH names; JSON on stdout."""
     from benchmarks.bench_continuous_batching import SIZES, run_engine, workload
     from benchmarks.common import bench_model
     from engine import LLM
 
     model_dir = bench_model(**SIZES[size])
-    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", cpu_threads=cpu_threads)
     vocab = llm.engine.vocab_size
     warm_p, warm_l = workload(8, 99, 4, 8, vocab)
     run_engine(llm, warm_p, warm_l)
@@ -60,6 +60,7 @@ def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         f"--requests={args.requests}",
         f"--max-output={args.max_output}",
         f"--uniform-tokens={args.uniform_tokens}",
+        *([f"--cpu-threads={args.cpu_threads}"] if args.cpu_threads else []),
     ]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -85,10 +86,13 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=200, help="the mixed workload's longest output")
     ap.add_argument("--uniform-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--cpu-threads", type=int, help="fixed torch threads (default: the engine's own choice, tuned per step on CPU)"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.size, args.requests, args.max_output, args.uniform_tokens)
+        child(args.size, args.requests, args.max_output, args.uniform_tokens, args.cpu_threads)
         return
 
     base_rev = subprocess.run(
@@ -133,7 +137,8 @@ def main() -> None:
             b, h = result["base"][name][stat], result["head"][name][stat]
             result.setdefault("ratio", {})[f"{name}_{stat}"] = h / b
             print(f"{name[7:] + ' ' + stat.split('_')[0]:18s}{b:22.0f}{h:22.0f}{h / b:11.3f}")
-    write_results(f"compare_revisions_{args.size}.json", result)
+    threads = f"_threads{args.cpu_threads}" if args.cpu_threads else ""
+    write_results(f"compare_revisions_{args.size}{threads}.json", result)
 
 
 if __name__ == "__main__":

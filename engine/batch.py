@@ -5,7 +5,7 @@ Requests with a single query token (decodes) come first, by context length (the 
 backend buckets them by it), then prefill chunks. A request whose chunk ends at its last
 token is sampled at its last row. Add-ons that want the logits of more rows (prompt logprobs,
 speculative decoding's verification) plug in as ``RowHook``s: the builder asks each about
-each request's chunk, and the runner hands them those rows' logits after sampling.
+the step's chunks, and the runner hands them those rows' logits after sampling.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class RowPlan:
 
 
 class RowHook(Protocol):
-    def plan(self, req: Request, start: int, num_new: int, first_row: int) -> RowPlan | None:
-        """The rows it wants of ``req``'s chunk (positions ``start``.. at batch rows
-        ``first_row``..); None: none."""
+    def plan(self, reqs: list[Request], num_new: list[int], first_rows: list[int]) -> list[RowPlan]:
+        """The rows it wants of the step's chunks: request ``reqs[i]``'s positions from
+        ``num_computed_tokens`` on, ``num_new[i]`` of them, at batch rows ``first_rows[i]``.."""
         ...
 
     def collect(self, plans: list[RowPlan], logits_of: LogitsOf, result: StepResult) -> None:
@@ -79,13 +79,11 @@ def build_batch(sched: SchedulerOutput, block_size: int, hooks: Sequence[RowHook
     seq_lens: list[int] = []
     sample_rows: list[int] = []
     sampled: list[Request] = []
-    plans: list[list[RowPlan]] = [[] for _ in hooks]
+    first_rows: list[int] = []
     end = 0
     for req, n, table in zip(reqs, counts, tables, strict=True):
         start = req.num_computed_tokens
-        for hook, hook_plans in zip(hooks, plans, strict=True):
-            if (plan := hook.plan(req, start, n, end)) is not None:
-                hook_plans.append(plan)
+        first_rows.append(end)
         if n == 1:  # a decode: plain ints beat numpy for one token
             input_ids.append(req.token_ids[start])
             positions.append(start)
@@ -101,4 +99,5 @@ def build_batch(sched: SchedulerOutput, block_size: int, hooks: Sequence[RowHook
             sample_rows.append(end - 1)
             sampled.append(req)
     num_decodes = sum(1 for n in counts if n == 1)
+    plans = [hook.plan(reqs, counts, first_rows) for hook in hooks]
     return Batch(input_ids, positions, slots, seq_lens, counts, tables, num_decodes, sampled, sample_rows, plans)

@@ -326,12 +326,14 @@ class KVCacheManager:
         self._num_released[rid] = first_needed
         return first_needed - released
 
-    def release_unreachable(self, req: Request, num_uncertain: int) -> None:
-        """After ``req``'s computed tokens advanced: with a sliding window, release the blocks
-        that neither the tokens that surely stay (all but the last ``num_uncertain``, proposals
-        that may be rolled back) nor ``window_margin`` more can still attend to."""
-        if self.release_window is not None:
-            self.free_outside_window(req, self.release_window + num_uncertain + self.window_margin)
+    def release_unreachable(self, reqs: list[Request], num_uncertain: dict[str, int]) -> None:
+        """After a step advanced ``reqs``' computed tokens: with a sliding window, release the
+        blocks that neither the tokens that surely stay (all but the last ``num_uncertain[seq_id]``,
+        proposals that may be rolled back) nor ``window_margin`` more can still attend to."""
+        if self.release_window is None:
+            return
+        for req in reqs:
+            self.free_outside_window(req, self.release_window + num_uncertain.get(req.seq_id, 0) + self.window_margin)
 
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.seq_id, None)

@@ -336,7 +336,8 @@ class LLMEngine:
         self._step_done(step_begin, sched.total_tokens)
         result.duration_s = time.perf_counter() - begin
         finished = self.scheduler.update_from_output(sched, result)
-        outputs += [self._emit(new.req) for new in result.new_tokens if new.req.finished or new.req.params.stream]
+        ended = set(finished)
+        outputs += [self._emit(req) for req in result.requests if req in ended or req.params.stream]
         for req in finished:
             self._forget(req)
         return outputs

@@ -37,7 +37,7 @@ from engine.prompt_logprobs import PromptLogprobsHook
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.startup import StartupTimings, sync
-from engine.step_result import NewTokens, StepResult
+from engine.step_result import StepResult
 from kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -197,11 +197,11 @@ class ModelRunner:
             return result
         if batch.sampled:
             out = self.sampler(logits_of(batch.sample_rows), batch.sampled)
-            lp = out.logprobs
-            result.new_tokens = [
-                NewTokens(req, [token], [lp[i]] if lp else None)
-                for i, (req, token) in enumerate(zip(batch.sampled, out.token_ids, strict=True))
-            ]
+            result.sampled, result.sampled_token_ids, result.sampled_logprobs = (
+                batch.sampled,
+                out.token_ids,
+                out.logprobs,
+            )
         for hook, plans in zip(self.row_hooks, batch.plans, strict=True):
             if plans:
                 hook.collect(plans, logits_of, result)

@@ -84,11 +84,12 @@ class PromptLogprobsHook:
     entries still missing; it appends their entries to the request's ``prompt_logprobs``
     (output state of this add-on's own, never read for scheduling)."""
 
-    def plan(self, req: Request, start: int, num_new: int, first_row: int) -> RowPlan | None:
-        if req.prompt_logprobs is None:
-            return None
-        rows = rows_for(req, start, num_new, first_row)
-        return None if rows is None else RowPlan(req, rows.rows, rows)
+    def plan(self, reqs: list[Request], num_new: list[int], first_rows: list[int]) -> list[RowPlan]:
+        plans = []
+        for req, n, first in zip(reqs, num_new, first_rows, strict=True):
+            if req.prompt_logprobs is not None and (rows := rows_for(req, req.num_computed_tokens, n, first)):
+                plans.append(RowPlan(req, rows.rows, rows))
+        return plans
 
     def collect(self, plans: list[RowPlan], logits_of: LogitsOf, result: StepResult) -> None:
         for req, entries in compute([p.data for p in plans], logits_of):

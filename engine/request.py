@@ -170,7 +170,8 @@ class Request:
     def append_output(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestStatus | None:
         """Append one generated token with what goes with it (its logprobs, the metrics, the
         grammar and the detokenizer); the finished state it puts the request in, if any."""
-        self.append_token(token_id)
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
         metrics = self.metrics
         metrics.num_generated_tokens += 1
         if metrics.first_token_time is None:

@@ -45,9 +45,10 @@ class RequestMemory(Protocol):
         """Where the request's tokens live on the device (its block table), for the runner."""
         ...
 
-    def release_unreachable(self, req: Request, num_uncertain: int) -> None:
-        """``req``'s computed tokens advanced, the last ``num_uncertain`` of them possibly
-        rolled back: release what no later token can read (a sliding window's old blocks)."""
+    def release_unreachable(self, reqs: list[Request], num_uncertain: dict[str, int]) -> None:
+        """A step advanced ``reqs``' computed tokens, the last ``num_uncertain[seq_id]`` of a
+        request's possibly rolled back: release what no later token can read (a sliding
+        window's old blocks)."""
         ...
 
     def trim(self, req: Request, num_tokens: int) -> None:

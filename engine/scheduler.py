@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.admission import make_admission
@@ -34,7 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.request_memory import RequestMemory
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.lookahead import grant_lookahead
-from engine.step_result import NewTokens, StepResult
+from engine.step_result import StepResult
 from engine.waiting_queues import SRPF_AGING_STEPS, WaitingQueue, make_waiting_queue
 
 log = logging.getLogger(__name__)
@@ -190,18 +191,20 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 counters.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
-            self.kv.release_unreachable(req, out.num_spec_tokens.get(req.seq_id, 0))
+        self.kv.release_unreachable(out.requests, out.num_spec_tokens)
         now = time.monotonic()
-        finished = []
+        finished: list[Request] = []
+        logprobs = result.sampled_logprobs
+        for i, (req, token) in enumerate(zip(result.sampled, result.sampled_token_ids, strict=True)):
+            status = self._append(req, (token,), (logprobs[i],) if logprobs else None, now)
+            if status is not None:
+                self._finished(req, status, now, finished)
         for new in result.new_tokens:
             req = new.req
             req.num_computed_tokens -= new.num_rejected  # the rejected proposals' K/V is stale
-            status = self._append(new, now)
+            status = self._append(req, new.token_ids, new.logprobs, now)
             if status is not None:
-                req.status = status
-                req.metrics.finished_time = now
-                self.admission.finished(req)
-                finished.append(req)
+                self._finished(req, status, now, finished)
             elif new.num_rejected:
                 self.kv.trim(req, req.num_computed_tokens)  # blocks only the rejected ones held
         if finished:
@@ -211,13 +214,14 @@ class Scheduler:
         counters.total_step_tokens += out.total_tokens
         return finished
 
-    def _append(self, new: NewTokens, now: float) -> RequestStatus | None:
-        """Append ``new``'s tokens up to the first that finishes the request (the rest are
-        dropped); the finished state, if any. One request's failure must not sink the batch:
-        it finishes with an error."""
-        req, logprobs = new.req, new.logprobs
+    def _append(
+        self, req: Request, token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None] | None, now: float
+    ) -> RequestStatus | None:
+        """Append the tokens up to the first that finishes the request (the rest are dropped);
+        the finished state, if any. One request's failure must not sink the batch: it
+        finishes with an error."""
         try:
-            for i, token in enumerate(new.token_ids):
+            for i, token in enumerate(token_ids):
                 self.counters.num_generated_tokens += 1
                 status = req.append_output(token, logprobs[i] if logprobs else None, now)
                 if status is not None:
@@ -227,6 +231,12 @@ class Scheduler:
             req.error = f"{type(exc).__name__}: {exc}"
             return RequestStatus.FINISHED_ERROR
         return None
+
+    def _finished(self, req: Request, status: RequestStatus, now: float, finished: list[Request]) -> None:
+        req.status = status
+        req.metrics.finished_time = now
+        self.admission.finished(req)
+        finished.append(req)
 
     def _free_finished_running(self) -> None:
         still = []

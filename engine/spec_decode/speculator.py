@@ -120,12 +120,13 @@ class VerificationRows:
         self.speculator = speculator
         self.sampler = sampler
 
-    def plan(self, req: Request, start: int, num_new: int, first_row: int) -> RowPlan | None:
-        k = len(req.spec_token_ids)
-        if not k or start + num_new != req.num_tokens + k:
-            return None
-        end = first_row + num_new
-        return RowPlan(req, list(range(end - 1 - k, end)))
+    def plan(self, reqs: list[Request], num_new: list[int], first_rows: list[int]) -> list[RowPlan]:
+        plans = []
+        for req, n, first in zip(reqs, num_new, first_rows, strict=True):
+            k = len(req.spec_token_ids)
+            if k and req.num_computed_tokens + n == req.num_tokens + k:
+                plans.append(RowPlan(req, list(range(first + n - 1 - k, first + n))))
+        return plans
 
     def collect(self, plans: list[RowPlan], logits_of: LogitsOf, result: StepResult) -> None:
         reqs = [p.req for p in plans]

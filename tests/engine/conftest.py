@@ -10,7 +10,7 @@ from engine import LLM
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
-from engine.step_result import NewTokens, StepResult
+from engine.step_result import StepResult
 from tests.engine.reference import HFReference
 
 # Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
@@ -96,12 +96,13 @@ def step_without_model(
     chunk reaches its last token produces ``token_of(req)``; the scheduler's own update does
     the rest. Returns the step's plan and the requests it finished."""
     out = sched.schedule()
-    produced = [
-        NewTokens(req, [token_of(req)])
+    sampled = [
+        req
         for req, n in zip(out.requests, out.num_new_tokens, strict=True)
         if req.num_computed_tokens + n >= req.num_tokens
     ]
-    return out, sched.update_from_output(out, StepResult(produced))
+    result = StepResult(sampled, [token_of(req) for req in sampled])
+    return out, sched.update_from_output(out, result)
 
 
 def record_steps(monkeypatch, scheduler) -> list[list[tuple[int, int, int]]]:
