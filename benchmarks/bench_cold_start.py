@@ -14,7 +14,6 @@ Writes benchmarks/results/cold_start.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 from benchmarks.bench_continuous_batching import SIZES
@@ -37,7 +36,7 @@ def main() -> None:
     for size in sizes:
         spec = dict(SIZES[size])
         model_dir = bench_model(**spec)
-        config = dataclasses.asdict(engine_config(Settings(), str(model_dir)))
+        config = engine_config(Settings(), str(model_dir)).as_flat()
         model = config.pop("model")
         result = run_cold_start(model, engine_args=config, repeat=repeat)
         print(f"[{size}] " + format_cold_start(result))

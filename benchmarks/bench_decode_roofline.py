@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         # attention-alone timing's own caches.
         gpu_memory_utilization=0.85,
     )
-    runner, spec = llm.engine.runner, llm.engine.runner.spec
+    runner, spec = llm.engine.runner, llm.engine.runner.model_spec
     seen: set[int] = set()
     weight_bytes = 0
     for p in runner.model.parameters():  # a tied embedding and head counted once

@@ -73,7 +73,7 @@ def main() -> None:
         totals["used"] += used
         totals["paged_alloc"] += paged
         totals["contig_max_alloc"] += args.max_model_len * len(holders)
-        totals["contig_exact_alloc"] += sum(reserve_exact[r.parent_id] for r in holders)
+        totals["contig_exact_alloc"] += sum(reserve_exact[r.request_id] for r in holders)
         peak_running = max(peak_running, len(holders))
         trace.append((used, paged, len(holders)))
     elapsed = time.perf_counter() - t0

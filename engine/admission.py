@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv_cache import KVCacheManager
 from engine.output_length import OutputLengthEstimator
 from engine.request import Request, RequestStatus
+from engine.request_memory import RequestMemory
 
 # The future steps at which the expected occupancy is checked, spread evenly up to the
 # longest a running request may still grow.
@@ -54,7 +54,7 @@ class WatermarkAdmission:
 
 
 class PredictedAdmission(WatermarkAdmission):
-    def __init__(self, kv: KVCacheManager, estimator: OutputLengthEstimator | None = None) -> None:
+    def __init__(self, kv: RequestMemory, estimator: OutputLengthEstimator | None = None) -> None:
         self.kv = kv
         self.estimator = estimator if estimator is not None else OutputLengthEstimator()
         self._horizon: np.ndarray | None = None  # future steps looked at; None: no prediction
@@ -80,7 +80,7 @@ class PredictedAdmission(WatermarkAdmission):
             return  # a newcomer alone always fits
         longest = max(r.max_total_tokens - r.num_tokens for r in running)
         self._horizon = np.unique(np.linspace(0, max(longest, 0), HORIZON_POINTS).astype(np.int64))
-        held = sum(len(self.kv.block_ids(r.request_id)) for r in running)
+        held = sum(len(self.kv.block_ids(r.seq_id)) for r in running)
         mean, var = self.expected_blocks(running, self._horizon)
         self._occupancy = self.kv.num_used_blocks - held + mean.sum(axis=0)
         self._variance = var.sum(axis=0)
@@ -111,7 +111,7 @@ class PredictedAdmission(WatermarkAdmission):
 ADMISSION_POLICIES = ("watermark", "predicted")
 
 
-def make_admission(name: str, kv: KVCacheManager) -> WatermarkAdmission:
+def make_admission(name: str, kv: RequestMemory) -> WatermarkAdmission:
     if name == "watermark":
         return WatermarkAdmission()
     if name == "predicted":

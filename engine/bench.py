@@ -131,8 +131,8 @@ def run_bench(
             "dtype": str(llm.engine.runner.dtype),
             "attention": llm.engine.runner.backend.name,
             "kv_blocks": stats.kv_blocks_total,
-            "block_size": llm.engine.config.block_size,
-            "max_num_seqs": llm.engine.config.max_num_seqs,
+            "block_size": llm.engine.config.cache.block_size,
+            "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
         },
     )
 

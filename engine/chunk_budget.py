@@ -29,8 +29,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.scheduler_output import SchedulerOutput
 
 SHRINK = 0.7
 MAX_SHRINK = 0.25
@@ -92,6 +96,16 @@ class PrefillChunkController:
             self.budget = min(self.ceiling, max(self.budget + 1, int(self.budget * GROW)))
             self.num_grows += 1
 
+    def observe_step(self, out: SchedulerOutput, duration_s: float) -> None:
+        """A step that ran ``out`` (its requests' computed tokens not advanced yet) took
+        ``duration_s``; a decode verifying proposals is still a decode."""
+        num_spec = out.num_spec_tokens
+        prefills = [
+            is_prefill(req, n - num_spec.get(req.seq_id, 0))
+            for req, n in zip(out.requests, out.num_new_tokens, strict=True)
+        ]
+        self.observe(duration_s, had_decodes=not all(prefills), had_prefill=any(prefills))
+
     def p90(self) -> float:
         d = sorted(self._durations)
         return d[math.ceil(0.9 * len(d)) - 1]
@@ -100,6 +114,16 @@ class PrefillChunkController:
 def is_prefill(req: Request, num_new_tokens: int) -> bool:
     """Whether ``num_new_tokens`` for ``req`` are prompt (or recomputed) tokens, not a decode."""
     return not (num_new_tokens == 1 and req.output_token_ids and req.num_computed_tokens + 1 == req.num_tokens)
+
+
+class UnlimitedPrefill:
+    """No latency target: every step may fill ``max_num_batched_tokens`` with prefill."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.budget = ceiling
+
+    def observe_step(self, out: SchedulerOutput, duration_s: float) -> None:
+        pass
 
 
 def make_chunk_controller(

@@ -28,12 +28,24 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.triton_backend import TritonAttention
 from engine.models.llama import LlamaForCausalLM
 from kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
+
+
+def graphs_apply(device: torch.device, enforce_eager: bool, reasons_not: dict[str, bool]) -> bool:
+    """Whether decode batches replay CUDA graphs: on CUDA unless ``enforce_eager``, and only
+    when none of ``reasons_not`` (a reason to log -> whether it holds) holds."""
+    if device.type != "cuda" or enforce_eager:
+        return False
+    for reason, holds in reasons_not.items():
+        if holds:
+            log.info(reason)
+            return False
+    return True
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -91,8 +103,8 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        backend: TritonAttention,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         *,
         max_batch_size: int,
@@ -103,8 +115,12 @@ class DecodeGraphs:
         device: torch.device,
         graph_factory: Callable[[], Graph] | None = None,
     ) -> None:
-        self.model = model
-        self.backend = backend
+        if not isinstance(backend, TritonAttention):
+            raise ValueError("CUDA graphs need the triton attention backend")
+        if not isinstance(model, LlamaForCausalLM):
+            raise ValueError("CUDA graphs are for native models, not the transformers fallback")
+        self.model: LlamaForCausalLM = model
+        self.backend: TritonAttention = backend
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]

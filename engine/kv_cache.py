@@ -27,11 +27,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.request import Request
 from kernels.utils import cdiv
+
+if TYPE_CHECKING:
+    from engine.models.model_config import ModelSpec
+    from engine.spec_decode.draft import DraftModel
 
 
 class KVBlock:
@@ -162,12 +167,18 @@ class PrefixCacheStats:
 
 @dataclass
 class KVCacheManager:
-    """Block tables per request on top of a ``BlockPool``."""
+    """Block tables per request on top of a ``BlockPool``: the paged K/V implementation of
+    ``engine.request_memory.RequestMemory``."""
 
     num_blocks: int
     block_size: int
     enable_caching: bool = True
     namespace: str = ""
+    # When every layer of the model slides over this many tokens, the blocks that left the
+    # window are released as requests run (``release_unreachable``); None: kept to the end.
+    release_window: int | None = None
+    # Tokens further back than the window that must stay readable (a draft model a token behind).
+    window_margin: int = 0
     pool: BlockPool = field(init=False)
     stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
 
@@ -197,8 +208,8 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return len(self.pool.cached)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self._block_ids.get(request_id, [])
+    def block_ids(self, seq_id: str) -> list[int]:
+        return self._block_ids.get(seq_id, [])
 
     # ---- prefix cache ---------------------------------------------------------------
     def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
@@ -242,7 +253,7 @@ class KVCacheManager:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed_blocks``,
         the cache hits found at admission). False, with nothing changed, when the pool is
         short, keeping ``reserve_blocks`` free."""
-        rid = req.request_id
+        rid = req.seq_id
         blocks = self._blocks.get(rid)
         if blocks is not None and not computed_blocks:
             # The common decode step: the last block still has room and fills no new block.
@@ -284,33 +295,33 @@ class KVCacheManager:
         """Free the blocks past the first ``num_tokens`` tokens of ``req`` (the blocks that a
         rejection of proposed tokens left empty), tail first. Registered blocks are never past
         them: they only ever hold verified tokens."""
-        blocks = self._blocks.get(req.request_id)
+        blocks = self._blocks.get(req.seq_id)
         keep = cdiv(num_tokens, self.block_size)
         if blocks is None or len(blocks) <= keep:
             return
-        assert self._num_registered[req.request_id] <= keep
+        assert self._num_registered[req.seq_id] <= keep
         self.pool.free(blocks[keep:][::-1])
         del blocks[keep:]
-        del self._block_ids[req.request_id][keep:]
+        del self._block_ids[req.seq_id][keep:]
 
     def _register_full_blocks(self, req: Request, blocks: list[KVBlock], num_full: int) -> None:
         # Registered when scheduled, before the step runs: a request admitted later in the same
         # step may hit these blocks, which is sound because every layer writes the step's K/V
         # into the cache before any attention of that layer reads it.
-        start = self._num_registered[req.request_id]
+        start = self._num_registered[req.seq_id]
         if num_full <= start:
             return
         self._extend_hashes(req, num_full)
         for i in range(start, num_full):
             self.pool.register(blocks[i], req.block_hashes[i])
-        self._num_registered[req.request_id] = num_full
+        self._num_registered[req.seq_id] = num_full
 
     def free_outside_window(self, req: Request, window: int) -> int:
         """Release ``req``'s leading blocks that no token from ``num_computed_tokens`` on can
         attend to with a ``window`` (its keys start at ``num_computed_tokens - window + 1``);
         returns how many. Only for a model whose every layer slides, and only while the
         computed tokens never go back (a preempted request is freed and recomputed whole)."""
-        rid = req.request_id
+        rid = req.seq_id
         blocks = self._blocks.get(rid)
         if not blocks:
             return 0
@@ -322,10 +333,30 @@ class KVCacheManager:
         self._num_released[rid] = first_needed
         return first_needed - released
 
+    def release_unreachable(self, reqs: list[Request], num_uncertain: dict[str, int]) -> None:
+        """After a step advanced ``reqs``' computed tokens: with a sliding window, release the
+        blocks that neither the tokens that surely stay (all but the last ``num_uncertain[seq_id]``,
+        proposals that may be rolled back) nor ``window_margin`` more can still attend to."""
+        if self.release_window is None:
+            return
+        for req in reqs:
+            self.free_outside_window(req, self.release_window + num_uncertain.get(req.seq_id, 0) + self.window_margin)
+
     def free(self, req: Request) -> None:
-        blocks = self._blocks.pop(req.request_id, None)
-        self._block_ids.pop(req.request_id, None)
-        self._num_registered.pop(req.request_id, None)
-        released = self._num_released.pop(req.request_id, 0)
+        blocks = self._blocks.pop(req.seq_id, None)
+        self._block_ids.pop(req.seq_id, None)
+        self._num_registered.pop(req.seq_id, None)
+        released = self._num_released.pop(req.seq_id, 0)
         if blocks:
             self.pool.free(blocks[released:][::-1])
+
+
+def window_release(model_spec: ModelSpec, model_impl: str, draft: DraftModel | None) -> tuple[int | None, int]:
+    """``KVCacheManager``'s ``release_window`` and ``window_margin`` for a model: when every
+    layer of a native model slides (Mistral), blocks that left the window are released as
+    requests run; with a draft model only if the draft's every layer slides too, no further
+    back, and one token more (the draft may be a token behind the target)."""
+    window = model_spec.sliding_window if model_impl == "native" and model_spec.sliding_layers is None else None
+    if draft is None:
+        return window, 0
+    return (window, 1) if draft.reaches_no_further_than(window) else (None, 0)

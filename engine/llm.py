@@ -18,7 +18,8 @@ class LLM:
     """``LLM(model, **engine_config).generate(prompts, params)``.
 
     ``model`` is a local checkpoint directory or a hub id; keyword arguments are
-    ``EngineConfig`` fields (``dtype``, ``device``, ``block_size``, ``max_num_seqs``, ...).
+    ``EngineConfig``'s fields by their flat names (``dtype``, ``device``, ``block_size``,
+    ``max_num_seqs``, ...) or its groups (``cache=CacheConfig(...)``, ``engine.config``).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

@@ -8,25 +8,23 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from engine.attention.triton_backend import prepare_interpreter
-from engine.chunk_budget import is_prefill, make_chunk_controller
+from engine.chunk_budget import make_chunk_controller
 from engine.config import EngineConfig
 from engine.cpu_threads import apply_cpu_budget, cpu_budget
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, window_release
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.draft import DraftModel
-from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.speculator import load_speculator
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.startup import StartupTimings, sync
 from engine.structured_outputs import StructuredOutputManager, check_tools
@@ -39,6 +37,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 1024
 
 Prompt = str | list[int] | dict[str, Any]
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,6 +63,11 @@ class EngineStats:
     cpu_threads: int = 0  # torch's intra-op threads the last step ran on
 
 
+def _snapshot(entries: list[T] | None) -> list[T] | None:
+    """A copy of a list the request keeps growing (None, for what it did not ask for)."""
+    return None if entries is None else list(entries)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # How long each phase of this start took (``engine.startup``): a worker reports it.
@@ -72,115 +76,82 @@ class LLMEngine:
         self.config = config
         # Before anything runs torch operators (loading the weights included); the ranks of
         # tensor parallelism split this count between them (``ModelRunner``).
-        self.cpu_budget = cpu_budget(config.cpu_threads)
+        self.cpu_budget = cpu_budget(config.parallel.cpu_threads)
         apply_cpu_budget(self.cpu_budget)
         log.info("engine: %s", self.cpu_budget.describe())
-        if config.attention_backend == "triton":
+        if config.model.attention_backend == "triton":
             # Triton chooses its CPU interpreter when first imported, and transformers imports
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
             prepare_interpreter(config.resolve_device())
-        model_path = resolve_model_path(config.model, config.revision)
-        self.spec, self.model_impl = load_spec(model_path, config.model_impl)
-        tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else model_path
+        model_path = resolve_model_path(config.model.model, config.model.revision)
+        self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl)
+        tok_path = (
+            resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else model_path
+        )
         tok_begin = time.perf_counter()
         self.tokenizer = load_tokenizer(tok_path)
         startup.tokenizer = time.perf_counter() - tok_begin
-        max_len = self.spec.max_position_embeddings
-        if self.spec.sliding_window and self.model_impl == "transformers":
-            # The fallback attends to the full context (the native layers honour their windows).
-            max_len = min(max_len, self.spec.sliding_window)
-        if config.max_model_len is not None:
-            if config.max_model_len > max_len:
-                window = " (its sliding window)" if max_len == self.spec.sliding_window else ""
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {max_len}{window}")
-            max_len = config.max_model_len
-        draft = self._load_draft(max_len)  # before the target's KV cache is sized: it takes a share
+        max_len = config.max_model_len_for(self.model_spec, self.model_impl)
+        # Before the target's KV cache is sized: a draft model's cache takes a share of it.
+        self.speculator = load_speculator(config, self.model_spec, self.tokenizer, max_len)
         startup.weights += time.perf_counter() - begin  # the runner adds the weights themselves
         self.runner = ModelRunner(
             config,
-            self.spec,
+            self.model_spec,
             model_path,
             max_len,
             startup=startup,
             model_impl=self.model_impl,
-            extra_block_bytes=draft.block_bytes(config.block_size) if draft is not None else 0,
+            extra_block_bytes=self.speculator.block_bytes(config.cache.block_size),
         )
-        if draft is not None:
-            draft.allocate_kv(self.runner.num_blocks, config.block_size)
-        spec_config = config.speculative_config
-        assert not isinstance(spec_config, dict)  # EngineConfig turns a dict into SpeculativeConfig
-        self.speculator = Speculator(spec_config, draft) if spec_config is not None else None
+        self.speculator.attach(self.runner)
         kv_begin = time.perf_counter()
+        released_beyond, margin = window_release(self.model_spec, self.model_impl, self.speculator.draft)
         self.kv = KVCacheManager(
             self.runner.num_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
+            config.cache.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
             namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
+            release_window=released_beyond,
+            window_margin=margin,
         )
         startup.kv_cache += time.perf_counter() - kv_begin
         self.max_model_len = max_len
-        # When every layer slides (Mistral), blocks that left the window are released as requests
-        # run; with a draft model only if the draft's every layer slides too, no further back.
-        self.release_window = (
-            self.spec.sliding_window if self.model_impl == "native" and self.spec.sliding_layers is None else None
-        )
-        if draft is not None and not draft.reaches_no_further_than(self.release_window):
-            self.release_window = None
         # A request never grows past what the whole cache can hold, so it always fits alone;
         # without chunked prefill it must also fit one step's budget, or (re)admitting it never
         # could happen.
-        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.block_size)
-        if not config.enable_chunked_prefill:
-            self.max_request_tokens = min(self.max_request_tokens, config.max_num_batched_tokens)
+        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.cache.block_size)
+        if not config.scheduler.enable_chunked_prefill:
+            self.max_request_tokens = min(self.max_request_tokens, config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            admission=config.admission_policy,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            policy=config.scheduler.scheduling_policy,
+            admission=config.scheduler.admission_policy,
             chunk_controller=make_chunk_controller(
-                config.target_itl_ms, config.block_size, config.max_num_batched_tokens
+                config.scheduler.target_itl_ms, config.cache.block_size, config.scheduler.max_num_batched_tokens
             ),
         )
-        eos = set(self.spec.eos_token_ids)
+        eos = set(self.model_spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.vocab_size = self.spec.vocab_size
+        self.vocab_size = self.model_spec.vocab_size
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.sampler.structured = self.structured
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []
-        self._steps = 0
-        self._step_tokens_total = 0
-        self._last_step_tokens = 0
-        self._prompt_tokens_computed = 0
-        self._generated_tokens = 0
         # The steps' intra-op threads: the budget (this rank's share of it under tensor
         # parallelism), or on CPU what the tuner picks under it.
         self._base_threads = self._step_threads = torch.get_num_threads()
         budget = self.cpu_budget
-        tunable = self.runner.device.type == "cpu" and config.tensor_parallel_size == 1 and budget.derived
+        tunable = self.runner.device.type == "cpu" and config.parallel.tensor_parallel_size == 1 and budget.derived
         self.thread_tuner = ThreadTuner(budget.threads) if tunable and budget.threads > 1 else None
         sync(self.runner.device)
         startup.total = time.perf_counter() - begin
-
-    def _load_draft(self, max_len: int) -> DraftModel | None:
-        spec_config = self.config.speculative_config
-        if not isinstance(spec_config, SpeculativeConfig) or spec_config.method != "draft":
-            return None
-        device = self.config.resolve_device()
-        return DraftModel(
-            spec_config,
-            self.spec,
-            self.tokenizer,
-            attention_backend=self.config.attention_backend,
-            max_model_len=max_len,
-            dtype=self.config.resolve_dtype(self.spec.checkpoint_dtype, device),
-            device=device,
-        )
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(
@@ -219,13 +190,17 @@ class LLMEngine:
             )
         ids, text = self.tokenize(prompt)
         if len(ids) >= self.max_request_tokens:
-            budget = "" if self.config.enable_chunked_prefill else ", max_num_batched_tokens without chunked prefill"
+            budget = (
+                ""
+                if self.config.scheduler.enable_chunked_prefill
+                else ", max_num_batched_tokens without chunked prefill"
+            )
             raise ValueError(
                 f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
-                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.config.block_size} "
+                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.kv.block_size} "
                 f"tokens{budget}) to leave room for one generated token"
             )
-        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        new_matcher = self.structured.matchers_for(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
@@ -242,7 +217,7 @@ class LLMEngine:
                     max_total_tokens=self.max_request_tokens,
                     eos_token_ids=self.eos_token_ids,
                     arrival_seq=seq,
-                    parent_id=request_id,
+                    request_id=request_id,
                     index=index,
                     priority=priority,
                     deadline=deadline,
@@ -257,7 +232,7 @@ class LLMEngine:
                         else None
                     ),
                     prompt_text=text,
-                    grammar=grammar.matcher() if grammar is not None else None,
+                    grammar=new_matcher(),
                 )
             )
         self._groups[request_id] = children
@@ -334,135 +309,58 @@ class LLMEngine:
                     req.metrics.finished_time = time.monotonic()
                     self._pending.append(self._output(req, [], ""))
 
+    @property
+    def release_window(self) -> int | None:
+        """The sliding window past which blocks are released as requests run (None: never)."""
+        return self.kv.release_window
+
+    @release_window.setter
+    def release_window(self, window: int | None) -> None:
+        self.kv.release_window = window
+
     # ---- the loop ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update, outputs: one iteration of continuous batching."""
         outputs, self._pending = self._pending, []
         begin = time.perf_counter()
-        spec = self.speculator
-        if spec is not None:
-            spec.plan(self.scheduler.running)
+        self.speculator.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
-        tuner = self.thread_tuner
-        if sched.requests:
-            self._step_threads = tuner.before_step() if tuner is not None else self._base_threads
-            if torch.get_num_threads() != self._step_threads:  # torch keeps it per thread: the stepping one's
-                torch.set_num_threads(self._step_threads)
-        step_begin = time.perf_counter()
-        if spec is not None:
-            spec.propose(sched, self.scheduler.running, lambda r: self.kv.block_ids(r.request_id))
         if not sched.requests:
             return outputs
-        chunks = self.scheduler.chunk_controller
-        # (a decode verifying k proposals computes 1 + k tokens: still a decode)
-        prefills = (
-            [
-                is_prefill(req, n - sched.num_spec_tokens.get(req.request_id, 0))
-                for req, n in zip(sched.requests, sched.num_new_tokens, strict=True)
-            ]
-            if chunks is not None
-            else []
-        )
-        result = self.runner.execute(sched, lambda r: self.kv.block_ids(r.request_id))
-        if tuner is not None:
-            tuner.after_step(time.perf_counter() - step_begin, sched.total_tokens)
-        for req, entries in result.prompt_logprobs:
-            assert req.prompt_logprobs is not None
-            req.prompt_logprobs.extend(entries)
-        draft_on = spec is not None and spec.draft is not None
-        now = time.monotonic()
-        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self._prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            if self.release_window is not None:
-                # Proposals under verification may be rolled back: keep what the tokens that
-                # surely stay (the computed ones less the proposals) can still attend to, and a
-                # draft model, which may be a token behind the target, too.
-                margin = sched.num_spec_tokens.get(req.request_id, 0) + (1 if draft_on else 0)
-                self.kv.free_outside_window(req, self.release_window + margin)
-        if result.output is not None:
-            lp = result.output.logprobs
-            for i, (req, token) in enumerate(zip(result.sampled, result.output.token_ids, strict=True)):
-                self._advance_safely(req, [token], [lp[i]] if lp else None, now, outputs)
-        if result.verified:
-            assert spec is not None and result.verify_logits is not None
-            verdicts = spec.verify(self.runner.sampler, result.verify_logits, result.verified)
-            for req, verdict in zip(result.verified, verdicts, strict=True):
-                self._advance_safely(req, verdict.token_ids, verdict.logprobs, now, outputs)
-                if not req.finished:  # free the blocks that the rejected proposals alone held
-                    self.kv.trim(req, req.num_computed_tokens)
-        self.scheduler.drop_finished_running()
-        if chunks is not None:
-            chunks.observe(time.perf_counter() - begin, had_decodes=not all(prefills), had_prefill=any(prefills))
-        self._steps += 1
-        self._last_step_tokens = sched.total_tokens
-        self._step_tokens_total += sched.total_tokens
+        step_begin = self._set_step_threads()
+        self.speculator.propose(sched, self.scheduler.running)
+        result = self.runner.execute(sched)
+        self._step_done(step_begin, sched.total_tokens)
+        result.duration_s = time.perf_counter() - begin
+        finished = self.scheduler.update_from_output(sched, result)
+        ended = set(finished)
+        outputs += [self._emit(req) for req in result.requests if req in ended or req.params.stream]
+        for req in finished:
+            self._forget(req)
         return outputs
 
-    def _advance_safely(
-        self,
-        req: Request,
-        tokens: list[int],
-        logprobs: list[dict[int, float] | None] | None,
-        now: float,
-        outputs: list[RequestOutput],
-    ) -> None:
-        try:
-            out = self._advance(req, tokens, logprobs, now)
-            if out is not None:
-                outputs.append(out)
-        except Exception as exc:  # one request's failure must not sink the batch
-            log.exception("request %s failed", req.parent_id)
-            req.status = RequestStatus.FINISHED_ERROR
-            req.error = f"{type(exc).__name__}: {exc}"
-            req.metrics.finished_time = now
-            self._forget(req)
-            outputs.append(self._output(req, [], ""))
+    def _set_step_threads(self) -> float:
+        """The step's intra-op threads (the tuner's pick, on CPU); when the step starts."""
+        tuner = self.thread_tuner
+        self._step_threads = tuner.before_step() if tuner is not None else self._base_threads
+        if torch.get_num_threads() != self._step_threads:  # torch keeps it per thread: the stepping one's
+            torch.set_num_threads(self._step_threads)
+        return time.perf_counter()
 
-    def _advance(
-        self, req: Request, tokens: list[int], logprobs: list[dict[int, float] | None] | None, now: float
-    ) -> RequestOutput | None:
-        """Append this step's tokens (one, or several verified by speculative decoding) up to
-        the first that finishes the request; the rest are dropped."""
-        status = None
-        for i, token in enumerate(tokens):
-            status = self._append(req, token, logprobs[i] if logprobs else None, now)
-            if status is not None:
-                break
-        metrics = req.metrics
-        if status is not None:
-            req.status = status
-            metrics.finished_time = now
-            self.scheduler.record_finished(req)
-            self._forget(req)
-        elif not req.params.stream:
-            return None
+    def _step_done(self, step_begin: float, num_tokens: int) -> None:
+        if self.thread_tuner is not None:
+            self.thread_tuner.after_step(time.perf_counter() - step_begin, num_tokens)
+
+    def _emit(self, req: Request) -> RequestOutput:
+        """``req``'s output with what it generated since the last one (none after an error)."""
+        if req.error is not None:
+            return self._output(req, [], "")
         new_ids = req.output_token_ids[req.num_emitted_tokens :]
         req.num_emitted_tokens = len(req.output_token_ids)
         return self._output(req, new_ids, self._take_text_delta(req))
-
-    def _append(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> RequestStatus | None:
-        """Append one token; the finished state it puts the request in, if any."""
-        req.append_token(token)
-        self._generated_tokens += 1
-        metrics = req.metrics
-        metrics.num_generated_tokens += 1
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        if logprobs is not None and req.logprobs is not None:
-            req.logprobs.append(logprobs)
-        status = req.check_stop(token)
-        if req.grammar is not None and req.grammar.accept(token) and status is None:
-            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        detok = req.detokenizer
-        stop_str = detok.add(token) if detok is not None else None
-        if stop_str is not None:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = stop_str
-        return status
 
     def _take_text_delta(self, req: Request) -> str:
         if req.detokenizer is not None:
@@ -479,14 +377,14 @@ class LLMEngine:
         return req.final_text
 
     def _forget(self, req: Request) -> None:
-        group = self._groups.get(req.parent_id)
+        group = self._groups.get(req.request_id)
         if group is not None and all(r.finished for r in group):
-            del self._groups[req.parent_id]
+            del self._groups[req.request_id]
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         finished = req.finished
         return RequestOutput(
-            request_id=req.parent_id,
+            request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids),
             text=self._text(req),
@@ -498,8 +396,8 @@ class LLMEngine:
             metrics=req.metrics,
             index=req.index,
             stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            logprobs=_snapshot(req.logprobs),
+            prompt_logprobs=_snapshot(req.prompt_logprobs),
             error=req.error,
             prompt=req.prompt_text,
         )
@@ -511,7 +409,7 @@ class LLMEngine:
 
     # ---- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        kv = self.kv
+        kv, counters = self.kv, self.scheduler.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -525,11 +423,11 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=kv.pool.num_evictions,
-            num_steps=self._steps,
-            last_step_tokens=self._last_step_tokens,
-            avg_tokens_per_step=self._step_tokens_total / self._steps if self._steps else 0.0,
-            num_prompt_tokens_computed=self._prompt_tokens_computed,
-            num_generated_tokens=self._generated_tokens,
-            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
+            num_steps=counters.num_steps,
+            last_step_tokens=counters.last_step_tokens,
+            avg_tokens_per_step=counters.total_step_tokens / counters.num_steps if counters.num_steps else 0.0,
+            num_prompt_tokens_computed=counters.num_prompt_tokens_computed,
+            num_generated_tokens=counters.num_generated_tokens,
+            spec_decode=self.speculator.stats_snapshot(),
             cpu_threads=self._step_threads,
         )

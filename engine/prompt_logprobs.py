@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch import LogitsOf, RowPlan
 from engine.request import Request
+from engine.step_result import StepResult
+
+PromptEntries = list[dict[int, float] | None]
 
 # Rows whose logits are computed at once.
 ROWS_PER_SLICE = 256
-
-PromptEntries = list[dict[int, float] | None]
 
 
 @dataclass
@@ -75,3 +77,21 @@ def compute(
                 entries.append(entry)
         out.append((plan.req, entries))
     return out
+
+
+class PromptLogprobsHook:
+    """The batch builder's ``RowHook`` for prompt logprobs: the rows of each chunk that give
+    entries still missing; it appends their entries to the request's ``prompt_logprobs``
+    (output state of this add-on's own, never read for scheduling)."""
+
+    def plan(self, reqs: list[Request], num_new: list[int], first_rows: list[int]) -> list[RowPlan]:
+        plans = []
+        for req, n, first in zip(reqs, num_new, first_rows, strict=True):
+            if req.prompt_logprobs is not None and (rows := rows_for(req, req.num_computed_tokens, n, first)):
+                plans.append(RowPlan(req, rows.rows, rows))
+        return plans
+
+    def collect(self, plans: list[RowPlan], logits_of: LogitsOf, result: StepResult) -> None:
+        for req, entries in compute([p.data for p in plans], logits_of):
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs.extend(entries)

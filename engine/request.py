@@ -62,12 +62,12 @@ class Request:
         "num_prompt_tokens",
         "output_token_ids",
         "params",
-        "parent_id",
         "priority",
         "prompt_logprobs",
         "prompt_text",
         "prompt_token_ids",
         "request_id",
+        "seq_id",
         "spec_token_ids",
         "status",
         "stop_ids",
@@ -78,14 +78,14 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
         max_total_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_seq: int,
-        parent_id: str | None = None,
+        request_id: str | None = None,
         index: int = 0,
         priority: int = 0,
         deadline: float | None = None,
@@ -95,8 +95,10 @@ class Request:
         prompt_text: str | None = None,
         grammar: GrammarMatcher | None = None,
     ) -> None:
-        self.request_id = request_id
-        self.parent_id = parent_id if parent_id is not None else request_id
+        # The engine's own id for this sequence (unique, one per sample of an ``n > 1``
+        # request), and the caller's id that its outputs carry (shared by those samples).
+        self.seq_id = seq_id
+        self.request_id = request_id if request_id is not None else seq_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
         self.prompt_text = prompt_text
@@ -164,6 +166,34 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> RequestStatus | None:
+        """Append one generated token with what goes with it (its logprobs, the metrics, the
+        grammar and the detokenizer); the finished state it puts the request in, if any."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        metrics = self.metrics
+        metrics.num_generated_tokens += 1
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        status = self.check_stop(token_id)
+        if self.grammar is not None and self.grammar.accept(token_id) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        stop_str = self.detokenizer.add(token_id) if self.detokenizer is not None else None
+        if stop_str is not None:
+            status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = stop_str
+        return status
+
+    def scheduled_token_ids(self, start: int, num_new: int) -> list[int]:
+        """The tokens a step computes from position ``start``: verified tokens, then any
+        proposals under verification."""
+        tokens = self.token_ids[start : start + num_new]
+        if len(tokens) < num_new:
+            tokens += self.spec_token_ids[: num_new - len(tokens)]
+        return tokens
 
     @property
     def below_min_tokens(self) -> bool:

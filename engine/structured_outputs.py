@@ -20,7 +20,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -271,6 +271,13 @@ class StructuredOutputManager:
             except ValueError as exc:  # a slow (Python) tokenizer
                 raise ValueError(f"structured outputs need a fast tokenizer: {exc}") from None
         return self._ll_tokenizer
+
+    def matchers_for(self, so: StructuredOutputs | dict[str, Any] | None) -> Callable[[], GrammarMatcher | None]:
+        """A new matcher per sample of a request with ``so`` (compiled now: ``ValueError`` if it
+        cannot be), or None per sample of a request without structured outputs."""
+        if not so:
+            return lambda: None
+        return self.compile(so).matcher
 
     def compile(self, so: StructuredOutputs | dict[str, Any]) -> CompiledGrammar:
         """The compiled grammar of ``so`` (cached); ``ValueError`` with the library's reason if

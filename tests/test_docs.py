@@ -90,13 +90,18 @@ def test_engine_config_renders_nested_groups() -> None:
 
 
 def test_engine_config_and_sampling_params_pages_list_every_field() -> None:
-    from engine.config import EngineConfig
+    from engine.config import SPECULATIVE_FLAT, EngineConfig
     from engine.sampling_params import SamplingParams
+    from engine.spec_decode.config import SpeculativeConfig
 
     module = hook()
     engine_page, sampling_page = module.engine_config_page(), module.sampling_params_page()
-    for f in dataclasses.fields(EngineConfig):
-        assert f"`{f.name}`" in engine_page, f.name
+    for name in EngineConfig.flat_field_names() - {SPECULATIVE_FLAT}:
+        assert f"| `{name}` |" in engine_page, name
+    assert f"`{SPECULATIVE_FLAT}`" in engine_page
+    for f in dataclasses.fields(SpeculativeConfig):
+        if f.init:
+            assert f"| `{f.name}` |" in engine_page, f.name
     for f in dataclasses.fields(SamplingParams):
         if f.init:
             assert f"| `{f.name}` |" in sampling_page, f.name

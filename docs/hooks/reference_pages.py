@@ -173,19 +173,27 @@ def _dataclass_section(cls: type, heading: str, level: int, prefix: str) -> list
 
 
 def engine_config_page() -> str:
-    from engine.config import EngineConfig
+    from engine.config import GROUPS, SPECULATIVE_FLAT
+    from engine.spec_decode.config import SpeculativeConfig
 
     intro = [
         "# EngineConfig",
         "",
-        "`engine.EngineConfig` holds every option of the engine. `LLM(model, **fields)` takes them as keyword",
-        "arguments; a worker takes them as JSON in `CONVEYOR_ENGINE_ARGS` (for example",
-        '`{"max_num_seqs": 128, "scheduling_policy": "edf"}`). A value the engine cannot use is a `ValueError`',
-        "naming the field. Generated from the dataclass at build time.",
+        "`engine.EngineConfig` holds every option of the engine, in groups: `model`, `cache`, `scheduler`,",
+        "`parallel` and `speculative`. `LLM(model, **fields)` takes every field below as a flat keyword",
+        "argument; a worker takes them as JSON in `CONVEYOR_ENGINE_ARGS` (for example",
+        '`{"max_num_seqs": 128, "scheduling_policy": "edf"}`), and speculative decoding as one',
+        f"`{SPECULATIVE_FLAT}` object with the fields of its group. A value the engine cannot use is a",
+        "`ValueError` naming the field. Generated from the groups' dataclasses at build time.",
         "",
     ]
-    section = _dataclass_section(EngineConfig, "Fields", 2, "")
-    return "\n".join(intro + section)
+    sections: list[str] = []
+    for name, group in GROUPS.items():
+        sections += _dataclass_section(group, f"`{name}`: `{group.__name__}`", 2, "")
+    sections += _dataclass_section(
+        SpeculativeConfig, f"`speculative`: `SpeculativeConfig` (the `{SPECULATIVE_FLAT}` object)", 2, ""
+    )
+    return "\n".join(intro + sections)
 
 
 def sampling_params_page() -> str:

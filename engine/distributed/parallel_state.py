@@ -27,6 +27,10 @@ class ParallelState:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    def device_for(self, device: torch.device) -> torch.device:
+        """This rank's device: on CUDA, one GPU per rank."""
+        return torch.device("cuda", self.rank) if self.enabled and device.type == "cuda" else device
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks, in place."""
         if self.world_size > 1:

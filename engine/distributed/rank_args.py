@@ -23,7 +23,7 @@ class RankArgs:
     port: int  # rank 0's TCP store (0 until rank 0 has opened it)
     backend: str  # nccl or gloo
     config: EngineConfig
-    spec: ModelSpec
+    model_spec: ModelSpec
     model_path: Path
     max_model_len: int
     model_impl: str

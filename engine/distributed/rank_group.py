@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -119,6 +120,14 @@ class RankGroup:
             raise EngineDeadError(self.failure)
         if self._closed:
             raise EngineDeadError("the tensor-parallel ranks are shut down")
+
+    @contextlib.contextmanager
+    def failures(self) -> Iterator[None]:
+        """Inside: a failure (a collective's, say) is raised as ``error`` says, naming the rank."""
+        try:
+            yield
+        except Exception as exc:
+            raise self.error(exc) from exc
 
     def error(self, exc: BaseException) -> EngineDeadError:
         """The error to raise for ``exc``, an exception from a step: which rank died, when one

@@ -30,7 +30,7 @@ class StepRunner(Protocol):
     def run_step(self, inputs: StepInputs) -> torch.Tensor | None: ...
 
 
-# Builds a rank's runner: (config, spec, model path, max model length, model_impl=...).
+# Builds a rank's runner: (config, model spec, model path, max model length, model_impl=...).
 RunnerFactory = Callable[..., StepRunner]
 
 
@@ -55,7 +55,7 @@ def _serve(args: RankArgs, doorbell: Connection, runner_factory: RunnerFactory) 
         torch.cuda.set_device(args.rank)
     else:
         torch.set_num_threads(args.cpu_threads)
-    if args.config.attention_backend == "triton":
+    if args.config.model.attention_backend == "triton":
         prepare_interpreter(device)
     store = dist.TCPStore(HOST, args.port, args.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(f"joined/{args.rank}", "1")
@@ -63,7 +63,9 @@ def _serve(args: RankArgs, doorbell: Connection, runner_factory: RunnerFactory) 
         args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=COLLECTIVE_TIMEOUT
     )
     parallel_state.set_state(ParallelState(args.rank, args.world_size, dist.group.WORLD))
-    runner = runner_factory(args.config, args.spec, args.model_path, args.max_model_len, model_impl=args.model_impl)
+    runner = runner_factory(
+        args.config, args.model_spec, args.model_path, args.max_model_len, model_impl=args.model_impl
+    )
     while True:
         try:
             header = doorbell.recv_bytes()

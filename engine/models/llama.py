@@ -2,12 +2,15 @@
 over a flat, unpadded batch of tokens, attention through an ``engine.attention`` backend.
 Other families reuse these layers (``engine.models.registry`` lists them).
 
-Q/K/V and gate/up projections are fused into one matmul each at load time. RMSNorm and
-SiLU-and-mul are the kernels' torch references (``kernels.reference``), which follow
-transformers' numerics.
+Q/K/V and gate/up projections are fused into one matmul each at load time. RMSNorm (with the
+residual add after attention fused into it) and SiLU-and-mul are the kernels' torch
+references (``kernels.reference``), which follow transformers' numerics, or on CUDA with the
+triton attention backend the Triton kernels (``kernels.fused_ops``): ``kernel_ops``.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +28,38 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
+    # The kernels it runs: ``kernels.reference``'s, or the Triton ones (``use_kernel_ops``).
+    ops: ModuleType = reference
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _param(dim, dtype=dtype, device=device)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reference.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: one pass with the Triton kernel."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def kernel_ops(device: torch.device, attention_backend: str) -> ModuleType:
+    """The RMSNorm and SiLU-and-mul the layers run: the Triton kernels (``kernels.fused_ops``)
+    on CUDA with the triton attention backend (Triton is there and compiles), else the torch
+    references, which follow transformers' numerics."""
+    if device.type == "cuda" and attention_backend == "triton":
+        from kernels import fused_ops  # imports Triton: only where it is wanted
+
+        return fused_ops
+    return reference
+
+
+def use_kernel_ops(model: nn.Module, ops: ModuleType) -> None:
+    """Make ``model``'s norms and dense MLPs run ``ops`` (``kernel_ops``'s choice)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, MLP)):
+            module.ops = ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,6 +144,9 @@ class FeedForward(nn.Module):
 
 
 class MLP(FeedForward):
+    # The kernels it runs: ``kernels.reference``'s, or the Triton ones (``use_kernel_ops``).
+    ops: ModuleType = reference
+
     def __init__(
         self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, intermediate_size: int | None = None
     ) -> None:
@@ -132,7 +163,7 @@ class MLP(FeedForward):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return self.tp.row_parallel_linear(reference.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        return self.tp.row_parallel_linear(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         """``gate_proj``/``up_proj``/``down_proj`` under ``prefix`` -> our fused tensors."""
@@ -164,8 +195,9 @@ class DecoderLayer(nn.Module):
         self.mlp: FeedForward = mlp if mlp is not None else MLP(spec, dtype, device)
 
     def forward(self, x, positions, rope, backend, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache)
+        h, x = self.post_attention_layernorm.add_and_norm(h, x)  # x + attention, and its norm
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

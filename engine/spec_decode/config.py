@@ -20,11 +20,17 @@ class SpeculativeConfig:
     Either way up to ``num_speculative_tokens`` tokens per request and step are verified by
     one target forward pass."""
 
+    # How proposals are made: ``ngram`` (prompt lookup) or ``draft`` (a smaller model).
     method: str
+    # Tokens proposed per request and step, all verified by one target forward pass.
     num_speculative_tokens: int = 4
+    # Prompt lookup: the shortest suffix of the request's tokens matched against its earlier ones.
     prompt_lookup_min: int = 1
+    # Prompt lookup: the longest suffix matched (tried first).
     prompt_lookup_max: int = 4
-    model: str | None = None  # the draft checkpoint (``method="draft"``)
+    # The draft checkpoint (``method="draft"``), with the target's tokenizer.
+    model: str | None = None
+    # The draft checkpoint's revision on the hub.
     revision: str | None = None
 
     def __post_init__(self) -> None:

@@ -19,8 +19,6 @@ that ended before its last token was fed to the draft), proposals are worse, nev
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from engine.attention.base import AttentionMetadata
@@ -47,9 +45,9 @@ class DraftModel:
     ) -> None:
         assert config.model is not None  # SpeculativeConfig checks it for method="draft"
         path = resolve_model_path(config.model, config.revision)
-        self.spec, impl = load_spec(path)
-        _check_same_vocabulary(config.model, self.spec, load_tokenizer(path), target_spec, target_tokenizer)
-        limit = self.spec.max_position_embeddings
+        self.model_spec, impl = load_spec(path)
+        _check_same_vocabulary(config.model, self.model_spec, load_tokenizer(path), target_spec, target_tokenizer)
+        limit = self.model_spec.max_position_embeddings
         if limit < max_model_len:
             raise ValueError(
                 f"speculative_config.model {config.model!r} takes at most {limit} positions, fewer than the "
@@ -58,7 +56,7 @@ class DraftModel:
         self.impl = impl
         # Under tensor parallelism the draft runs whole on rank 0, next to the target's shard.
         with parallel_state.single_process():
-            self.model = load_model(path, self.spec, max_model_len, dtype, device, impl)
+            self.model = load_model(path, self.model_spec, max_model_len, dtype, device, impl)
         self.backend = create_backend(attention_backend, device)
         self.dtype, self.device = dtype, device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -72,47 +70,46 @@ class DraftModel:
         (None: the target attends to everything, so nothing is ever out of reach)."""
         if window is None:
             return True
-        w = self.spec.sliding_window
-        return self.impl == "native" and self.spec.sliding_layers is None and w is not None and w <= window
+        w = self.model_spec.sliding_window
+        return self.impl == "native" and self.model_spec.sliding_layers is None and w is not None and w <= window
 
     def block_bytes(self, block_size: int) -> int:
-        s = self.spec
+        s = self.model_spec
         return kv_block_bytes(s.num_layers, block_size, s.num_kv_heads, s.head_dim, self.dtype)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        s = self.spec
+        s = self.model_spec
         shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(s.num_layers)]
         self.block_size = block_size
 
     def keep_only(self, running: list[Request]) -> None:
-        alive = {r.request_id for r in running}
+        alive = {r.seq_id for r in running}
         for rid in [rid for rid in self._computed if rid not in alive]:
             del self._computed[rid]
 
     def accepted(self, req: Request, num_accepted: int, num_proposed: int) -> None:
         """The target accepted ``num_accepted`` of ``req``'s proposals: those the draft was fed
         (all but the last proposal) have their draft K/V at the right positions already."""
-        if req.request_id in self._computed:
-            self._computed[req.request_id] += min(num_accepted, num_proposed - 1)
+        if req.seq_id in self._computed:
+            self._computed[req.seq_id] += min(num_accepted, num_proposed - 1)
 
     def propose(
         self,
         scheduled: list[Request],
         num_new_tokens: list[int],
         counts: dict[str, int],
-        block_ids_of: Callable[[Request], list[int]],
+        tables: list[list[int]],
     ) -> None:
         """Feed the draft this step's tokens of every ``scheduled`` request (``num_new_tokens``
         each, the target's, without proposals) and set ``spec_token_ids`` of each request in
         ``counts`` to that many greedy draft tokens. Their slots (up to ``num_tokens +
-        counts[id] - 1``) are allocated already."""
-        tables = [block_ids_of(r) for r in scheduled]
+        counts[id] - 1``) are allocated already; ``tables`` are their block tables."""
         chunks = []
         proposing: list[int] = []
         for i, (req, n) in enumerate(zip(scheduled, num_new_tokens, strict=True)):
-            rid, computed = req.request_id, req.num_computed_tokens
+            rid, computed = req.seq_id, req.num_computed_tokens
             start = min(self._computed.get(rid, computed), computed)
             end = req.num_tokens if rid in counts else computed + n
             chunks.append((start, req.token_ids[start:end]))
@@ -123,15 +120,15 @@ class DraftModel:
             return
         first = self._forward(chunks, tables, want=proposing)
         proposals = {i: [first[i]] for i in proposing}
-        for step in range(1, max((counts[scheduled[i].request_id] for i in proposing), default=0)):
-            active = [i for i in proposing if counts[scheduled[i].request_id] > step]
+        for step in range(1, max((counts[scheduled[i].seq_id] for i in proposing), default=0)):
+            active = [i for i in proposing if counts[scheduled[i].seq_id] > step]
             batch = [(scheduled[i].num_tokens + step - 1, [proposals[i][-1]]) for i in active]
             nexts = self._forward(batch, [tables[i] for i in active], want=list(range(len(active))))
             for j, i in enumerate(active):
                 proposals[i].append(nexts[j])
         for i in proposing:
             req = scheduled[i]
-            req.spec_token_ids = proposals[i][: counts[req.request_id]]
+            req.spec_token_ids = proposals[i][: counts[req.seq_id]]
 
     def _forward(self, chunks: list[tuple[int, list[int]]], tables: list[list[int]], want: list[int]) -> list[int]:
         """K/V written for each chunk (``(first position, tokens)``); the greedy next token

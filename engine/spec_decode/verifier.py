@@ -35,6 +35,7 @@ class Verdict:
     token_ids: list[int]  # the accepted proposals, then the target's own token
     num_accepted: int
     logprobs: list[dict[int, float] | None] | None  # one per token, when the request asked
+    num_rejected: int = 0  # the proposals computed and rejected (set by ``Speculator.verify``)
 
 
 def accepts(p_token: float, u: float) -> bool:
@@ -107,7 +108,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[
                 a += 1
             results.append(([*proposed[:a], argmax[row + a]], a))
             continue
-        u = uniforms[req.request_id]
+        u = uniforms[req.seq_id]
         while a < k and accepts(p_proposed[offset + a], u[a]):
             a += 1
         offset += k
@@ -141,10 +142,10 @@ def _uniforms(sampler: Sampler, reqs: list[Request], dev: torch.device) -> dict[
     for r in reqs:
         k = len(r.spec_token_ids)
         if r.generator is None:
-            out[r.request_id] = shared[pos : pos + k]
+            out[r.seq_id] = shared[pos : pos + k]
             pos += k
         else:
-            out[r.request_id] = torch.rand(k, generator=r.generator, device=dev).tolist()
+            out[r.seq_id] = torch.rand(k, generator=r.generator, device=dev).tolist()
     return out
 
 

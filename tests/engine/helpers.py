@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.step_result import StepResult
 
 # Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
 # max_position_embeddings 512 over 128 makes the factor 4 (attention factor ~1.13).
@@ -104,3 +108,19 @@ def make_request(
         arrival_seq=seq,
         **kw,
     )
+
+
+def step_without_model(
+    sched: Scheduler, token_of: Callable[[Request], int] = lambda req: 7
+) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step with the model left out: schedule, and every request whose scheduled
+    chunk reaches its last token produces ``token_of(req)``; the scheduler's own update does
+    the rest. Returns the step's plan and the requests it finished."""
+    out = sched.schedule()
+    sampled = [
+        req
+        for req, n in zip(out.requests, out.num_new_tokens, strict=True)
+        if req.num_computed_tokens + n >= req.num_tokens
+    ]
+    result = StepResult(sampled, [token_of(req) for req in sampled])
+    return out, sched.update_from_output(out, result)

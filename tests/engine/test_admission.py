@@ -14,8 +14,9 @@ from engine import EngineConfig, SamplingParams
 from engine.admission import PredictedAdmission
 from engine.kv_cache import KVCacheManager
 from engine.output_length import OUTPUT_LENGTH_MIN_SAMPLES, OutputLengthEstimator
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.scheduler import Scheduler
+from tests.engine.helpers import step_without_model
 from tests.engine.reference import Greedy, assert_greedy_match
 
 # ---- the estimator -----------------------------------------------------------------------
@@ -57,6 +58,15 @@ def test_the_estimator_forgets_the_oldest_samples():
 # ---- on the scheduler alone -----------------------------------------------------------------
 
 
+# The token that stops a request (the workload's stop ids; the other tokens are 7).
+STOP = 3
+
+
+def _stopping_at(stop_at: dict[str, int]):
+    """What a request produces next: the stop token at its chosen output length."""
+    return lambda req: STOP if len(req.output_token_ids) + 1 >= stop_at[req.request_id] else 7
+
+
 def _workload(n: int, long_share: float, seed: int = 0) -> tuple[list[Request], dict[str, int]]:
     """``n`` requests with 8-token prompts and max_tokens 64; most stop after 6 tokens, a
     ``long_share`` of them run to 64. Returns them and the output length each stops at."""
@@ -66,7 +76,7 @@ def _workload(n: int, long_share: float, seed: int = 0) -> tuple[list[Request], 
         req = Request(
             f"r{i}",
             [1000 * (i + 1) + j for j in range(8)],
-            SamplingParams(max_tokens=64, ignore_eos=True),
+            SamplingParams(max_tokens=64, ignore_eos=True, stop_token_ids=[STOP]),
             max_total_tokens=100_000,
             eos_token_ids=frozenset(),
             arrival_seq=i,
@@ -88,19 +98,8 @@ def _run(sched: Scheduler, reqs: list[Request], stop_at: dict[str, int]) -> list
         sched.add_request(r)
     plans = []
     while sched.has_unfinished():
-        out = sched.schedule()
+        out, _ = step_without_model(sched, _stopping_at(stop_at))
         plans.append([(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens, strict=True)])
-        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
-            if req.num_computed_tokens >= req.num_tokens:
-                req.append_token(7)
-                status = req.check_stop(7)
-                if status is None and len(req.output_token_ids) >= stop_at[req.request_id]:
-                    status = RequestStatus.FINISHED_STOPPED
-                if status is not None:
-                    req.status = status
-                    sched.record_finished(req)
-        sched.drop_finished_running()
         assert len(plans) < 5000
     assert sched.kv.num_used_blocks == 0
     return plans
@@ -154,16 +153,8 @@ def _run_steps(a: Scheduler, stop_at: dict[str, int], *, until, other: Scheduler
     plans: tuple[list, list] = ([], [])
     while not until():
         for sched, plan in zip((a, other), plans, strict=True):
-            out = sched.schedule()
+            out, _ = step_without_model(sched, _stopping_at(stop_at))
             plan.append([(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens, strict=True)])
-            for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-                req.num_computed_tokens += n
-                if req.num_computed_tokens >= req.num_tokens:
-                    req.append_token(7)
-                    if len(req.output_token_ids) >= stop_at[req.request_id]:
-                        req.status = RequestStatus.FINISHED_STOPPED
-                        sched.record_finished(req)
-            sched.drop_finished_running()
         assert len(plans[0]) < 1000
     return plans
 

@@ -12,7 +12,7 @@ from engine import EngineConfig
 from engine.chunk_budget import PrefillChunkController, make_chunk_controller
 from engine.kv_cache import KVCacheManager
 from engine.scheduler import Scheduler
-from tests.engine.helpers import make_request, record_steps
+from tests.engine.helpers import make_request, record_steps, step_without_model
 from tests.engine.reference import assert_greedy_match, greedy
 
 TARGET = 0.010  # seconds
@@ -130,23 +130,15 @@ def test_the_scheduler_limits_prefill_tokens_but_never_decodes():
         sched.add_request(r)
     # Admit the five short prompts (20 prompt tokens: two steps under a budget of 10).
     for _ in range(3):
-        out = sched.schedule()
-        for r, n in zip(out.requests, out.num_new_tokens, strict=True):
-            r.num_computed_tokens += n
-            if r.num_computed_tokens == r.num_tokens:
-                r.append_token(7)
+        step_without_model(sched)
     assert all(r.output_token_ids for r in decoding)
     sched.add_request(make_request(9, 100, 1))
     sched.add_request(make_request(10, 30, 1))
     for _ in range(6):
-        out = sched.schedule()
+        out, _ = step_without_model(sched)
         plan = dict(zip((r.request_id for r in out.requests), out.num_new_tokens, strict=True))
         assert all(plan[r.request_id] == 1 for r in decoding)  # every decode, every step
         assert sum(plan.values()) - len(decoding) == 10  # and exactly the prefill budget
-        for r, n in zip(out.requests, out.num_new_tokens, strict=True):
-            r.num_computed_tokens += n
-            if r.num_computed_tokens == r.num_tokens:
-                r.append_token(7)
     assert "r10" not in {r.request_id for r in sched.running}  # r9's prefill goes first
 
 

@@ -219,7 +219,7 @@ def test_gguf_phi3_and_moe_match_transformers_on_the_original(
     path, kwargs = model_case(tiny_models, family)
     file = write_gguf(path, tmp_path / "m", arch=arch)
     llm = make_llm(str(file), **kwargs)
-    assert llm.engine.spec.model_type == family.removesuffix("-longrope")
+    assert llm.engine.model_spec.model_type == family.removesuffix("-longrope")
     hf = hf_reference(path)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], greedy([12] * len(PROMPTS)))
     for i, (ids, out) in enumerate(zip(PROMPTS, outs, strict=True)):
@@ -276,7 +276,7 @@ def test_gguf_gemma_matches_transformers_on_the_original(family, build, tiny_mod
     cfg = json.loads((path / "config.json").read_text())
     file = write_gguf(str(path), tmp_path / "m", arch=family)
     llm = make_llm(str(file))
-    spec = llm.engine.spec
+    spec = llm.engine.model_spec
     assert spec.model_type == cfg["model_type"]
     assert spec.query_pre_attn_scalar == cfg["head_dim"]
     assert [spec.layer_window(i) for i in range(spec.num_layers)] == [
@@ -301,7 +301,7 @@ def test_gguf_gemma3_layer_keys_override_llama_cpp_defaults(tiny_models, hf_refe
     path = _as_llama_cpp_assumes(tiny_models("gemma3"), tmp_path / "hf", "gemma3", layers=False)
     file = write_gguf(str(path), tmp_path / "m", arch="gemma3", gemma_layer_keys=True)
     llm = make_llm(str(file))
-    assert llm.engine.spec.sliding_layers == (True, False) and llm.engine.spec.local_rope_theta == 10.0
+    assert llm.engine.model_spec.sliding_layers == (True, False) and llm.engine.model_spec.local_rope_theta == 10.0
     hf = hf_reference(str(path))
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], greedy([12] * len(PROMPTS)))
     for i, (ids, out) in enumerate(zip(PROMPTS, outs, strict=True)):

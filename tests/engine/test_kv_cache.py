@@ -144,11 +144,11 @@ def test_corrupting_a_cached_block_changes_the_output_and_other_blocks_do_not(ti
     clean = _run(engine)
 
     def corrupt_own_block(e):
-        block = e.kv.block_ids(e._groups["x"][0].request_id)[1]
+        block = e.kv.block_ids(e._groups["x"][0].seq_id)[1]
         e.runner.kv_cache[:, :, block].normal_()
 
     def corrupt_unused_block(e):
-        used = set(e.kv.block_ids(e._groups["x"][0].request_id))
+        used = set(e.kv.block_ids(e._groups["x"][0].seq_id))
         free = next(b for b in range(e.kv.num_blocks) if b not in used)
         e.runner.kv_cache[:, :, free].normal_()
 

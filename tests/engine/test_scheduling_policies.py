@@ -1,7 +1,6 @@
 """The ``srpf`` and ``edf`` policies (and ``priority``'s deadline tie-break) on the scheduler
-alone: deterministic, no model. A step here is what ``LLMEngine.step`` does to the scheduler:
-the scheduled tokens are computed, a request whose prefill is done gets one token, and one
-at its length finishes."""
+alone: deterministic, no model. A step here is the engine's with the model left out: a
+request whose prefill is done gets one token, and the scheduler's update does the rest."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from tests.engine.helpers import make_request
+from tests.engine.helpers import make_request, step_without_model
 
 
 def _sched(policy: str, *, num_blocks: int = 256, max_num_seqs: int = 1, **kw) -> Scheduler:
@@ -22,17 +21,8 @@ def _sched(policy: str, *, num_blocks: int = 256, max_num_seqs: int = 1, **kw) -
 def _step(sched: Scheduler, admitted: list[str]) -> list[Request]:
     """One engine step; appends the ids of the requests it admitted; returns those it finished."""
     before = {id(r) for r in sched.running}
-    out = sched.schedule()
+    out, done = step_without_model(sched)
     admitted += [r.request_id for r in out.requests if id(r) not in before]
-    done = []
-    for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-        req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens:
-            req.append_token(7)
-            if req.check_stop(7) is not None:
-                req.status = RequestStatus.FINISHED_LENGTH
-                done.append(req)
-    sched.drop_finished_running()
     return done
 
 

@@ -36,7 +36,7 @@ ENGINE_KWARGS = {"max_num_batched_tokens": 16, "block_size": 4}
 
 def ranks_of(llm: LLM) -> RankGroup:
     ranks = llm.engine.runner.ranks
-    assert ranks is not None
+    assert isinstance(ranks, RankGroup)
     return ranks
 
 

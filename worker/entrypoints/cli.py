@@ -471,13 +471,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_cold_start(settings: Settings, args: argparse.Namespace) -> int:
-    import dataclasses
 
     from engine.bench import format_cold_start, run_cold_start
     from worker.execution.context import engine_config
 
     # The engine exactly as a worker builds it: its EngineConfig, CONVEYOR_ENGINE_ARGS applied.
-    config = dataclasses.asdict(engine_config(settings, args.model))
+    config = engine_config(settings, args.model).as_flat()
     model = config.pop("model")
     result = run_cold_start(model, engine_args=config, repeat=args.repeat)
     if args.json:

@@ -9,7 +9,6 @@ through ``host_stats``, without this layer knowing them."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -59,7 +58,7 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
                 "disagree; set one of them"
             )
         args["cpu_threads"] = settings.cpu_threads
-    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    known = EngineConfig.flat_field_names() - {"model"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ConfigError(
@@ -126,7 +125,7 @@ class WorkerContext:
         if ctx.host_factory is None:
             config = engine_config(settings, ctx.checkpoint or ctx.model)  # fail now on bad engine args
             ctx.host_factory = lambda: EngineHost.from_config(
-                dataclasses.replace(config, model=ctx.local_checkpoint()), step_timeout=settings.step_timeout_seconds
+                config.replace(model=ctx.local_checkpoint()), step_timeout=settings.step_timeout_seconds
             )
         return ctx
 
