@@ -129,7 +129,9 @@ def register_tasks(app: Celery) -> None:
             log.warning("%s; handing the message back to the broker", exc)
             raise Reject(str(exc), requeue=True) from None
         reason = f" [{outcome.reason}]" if outcome.reason else ""
-        log.info("shard %s/%d: %s (%d items)%s", job_id, shard_index, outcome.status, outcome.items, reason)
+        log.info(
+            "shard %s/%d: %s (%d items)%s", outcome.job_id, outcome.shard_index, outcome.status, outcome.items, reason
+        )
         if outcome.status == "handed_back":
             queue = queue_name(ctx.model, ctx.settings.queue_prefix)
             hand_back(f"shard {job_id}/{shard_index}", lambda: enqueue_shards(app, queue, job_id, [shard_index]))

@@ -187,9 +187,9 @@ class Settings(BaseSettings):
     queue_prefix: str = "conveyor"
     # Shard tasks a worker runs at once (threads sharing its one engine).
     worker_concurrency: int = Field(4, ge=1, le=256)
-    # The most shards of one owner (API key) a worker runs at once. Unset: one less than
-    # ``worker_concurrency`` (at least 1), so a place is always left for another owner's
-    # first shard while one owner's backlog fills the worker.
+    # The most shards of one owner (API key) a worker runs at once while another owner has work
+    # for the model. Unset: one less than ``worker_concurrency`` (at least 1), so a place is left
+    # for another owner's shard; an owner alone with work uses every place.
     owner_shard_slots: int | None = Field(None, ge=1, le=256)
     # The worker engine's options: ``EngineConfig`` fields as JSON, e.g. '{"max_num_seqs": 128}'.
     engine_args: dict[str, Any] = Field(default_factory=dict)

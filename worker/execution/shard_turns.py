@@ -52,8 +52,10 @@ def run_next_shard(ctx: WorkerContext, job_id: str, shard_index: int) -> ShardOu
         if pick.choice is None or races >= MAX_RACES:
             return _run(ctx, ShardChoice(job_id, shard_index, _owner_of(ctx, job_id)))
         outcome = _run(ctx, pick.choice)
-        if outcome.status == "skipped" and (outcome.job_id, outcome.shard_index) != (job_id, shard_index):
-            races += 1  # another worker took it between the choice and the lease: choose again
+        if outcome.status == "skipped":
+            # Another turn took it between the choice and the lease (the named shard too: the
+            # turn that took it owes its own shard a run, so this turn still runs one): choose again.
+            races += 1
             continue
         return outcome
 

@@ -4,7 +4,8 @@ A shard message is a turn to run one of its model's pending shards, not necessar
 it names (every pending shard has a message of its own, so the turns add up). The turn goes
 to the owner (the job's API key id; ``""`` for jobs without one) with the fewest shards of
 the model running now on any worker, among those with shards pending and not at their limit
-in this worker (``full``); between owners equally served, the one whose oldest waiting job
+in this worker (``full``; a limit holds only while another owner has work for the model,
+so a lone owner uses every place); between owners equally served, the one whose oldest waiting job
 is oldest. Within that owner: fewer failed attempts first (a shard just retried waits its
 turn behind the others), then the job's priority (lower first), its deadline (the
 completion window orders one owner's jobs only), its age, and the shard's index.
@@ -51,9 +52,8 @@ def next_shard(db: Engine, model: str, *, full: Collection[str] = ()) -> Pick:
                 .group_by(Job.owner)
             )
         }  # fmt: skip
-        candidates = [owner for owner in waiting if owner not in full]
-        if not candidates:
-            return Pick(None, len(waiting))
+        if not waiting:
+            return Pick(None, 0)
         running: dict[str, int] = {}
         for owner, count in conn.execute(
             select(Job.owner, func.count()).join(Shard, Shard.job_id == Job.id)
@@ -61,6 +61,13 @@ def next_shard(db: Engine, model: str, *, full: Collection[str] = ()) -> Pick:
             .group_by(Job.owner)
         ):  # fmt: skip
             running[owner or ""] = running.get(owner or "", 0) + int(count)
+        candidates = [owner for owner in waiting if owner not in full]
+        if not candidates and len(waiting.keys() | running.keys()) == 1:
+            # One owner has all the model's work: the place its limit keeps for another owner
+            # would stay empty, so it takes the place (the next owner's shard gets the next turn).
+            candidates = list(waiting)
+        if not candidates:
+            return Pick(None, len(waiting))
         owner = min(candidates, key=lambda o: (running.get(o, 0), waiting[o], o))
         row = conn.execute(
             select(Shard.job_id, Shard.shard_index).join(Job, Shard.job_id == Job.id)

@@ -308,6 +308,7 @@ def test_the_broker_contract_takes_the_options_and_names_a_bad_one(tmp_path, tin
             parse_submission([], {**base, field: value}, settings)
         assert caught.value.param == field and field in str(caught.value)
 
+    settings = settings.model_copy(update={"models": (tiny_model,)})  # the catalog's: brokers take only those
     url = f"sqlite:///{tmp_path / 'c.db'}"
     upgrade_database(url)
     db = create_db_engine(url)

@@ -49,6 +49,17 @@ def test_an_owner_at_its_limit_here_is_skipped_and_the_turn_may_wait(db_engine) 
     assert job_owner(db_engine, "batch_c") == "" and job_owner(db_engine, "batch_a") == "key_a"
 
 
+def test_a_lone_owner_is_not_held_to_its_limit_until_another_owner_has_work(db_engine) -> None:
+    add_job(db_engine, "batch_a", "key_a", 3)
+    set_running(db_engine, "batch_a", 0)
+    # Only A has work for the model: the place its limit keeps for another owner would stay empty.
+    assert next_shard(db_engine, "m", full={"key_a"}).choice == ShardChoice("batch_a", 1, "key_a")
+    add_job(db_engine, "batch_b", "key_b", 1)
+    set_running(db_engine, "batch_b", 0)  # B now has work running (none waiting): A's limit holds again
+    pick = next_shard(db_engine, "m", full={"key_a"})
+    assert pick.choice is None and pick.waiting_owners == 1
+
+
 def test_within_one_owner_priority_then_deadline_then_age(db_engine) -> None:
     t = time.time()
     add_job(db_engine, "batch_late", "k", 1, created_at=t - 50, expires_at=t + 86_400)
