@@ -8,7 +8,8 @@ transport on SQLite as the broker. Production sets ``CONVEYOR_DATABASE_URL`` (Po
 ``CONVEYOR_STORAGE_ENDPOINT_URL``).
 
 URLs may carry passwords: never log them raw. ``repr(settings)`` and
-``settings.safe_dict()`` redact them; use ``redact_url`` for anything else.
+``settings.safe_dict()`` redact them and the other secrets (the metrics token, the operator's
+cache salt); use ``redact_url`` for anything else.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from worker.core.limits import (
 
 _SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
 _URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
+# Secrets that are not URLs: shown as "***" when set.
+_SECRET_FIELDS = ("metrics_token", "unowned_cache_salt")
 _QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,24}$")
 
 
@@ -393,6 +396,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         for name in _URL_FIELDS:
             data[name] = redact_url(data[name])
+        for name in _SECRET_FIELDS:
+            data[name] = "***" if data[name] else data[name]
         data["resolved"] = {
             "database": redact_url(self.database),
             "broker": redact_url(self.broker),
@@ -402,6 +407,8 @@ class Settings(BaseSettings):
 
     def __repr_args__(self):  # used by repr() and str()
         for name, value in super().__repr_args__():
+            if name in _SECRET_FIELDS and value:
+                value = "***"
             yield name, (redact_url(value) if name in _URL_FIELDS else value)
 
 

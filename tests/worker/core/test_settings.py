@@ -40,13 +40,16 @@ def test_production_urls_and_limits_from_env(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CONVEYOR_STORAGE_URL", "s3://bucket/prefix")
     monkeypatch.setenv("CONVEYOR_MAX_LINE_BYTES", "4096")
     monkeypatch.setenv("CONVEYOR_SHARD_SIZE", "32")
+    monkeypatch.setenv("CONVEYOR_METRICS_TOKEN", "scrape-token-0123456789")
+    monkeypatch.setenv("CONVEYOR_UNOWNED_CACHE_SALT", "salt-sesame")
     s = Settings()
     assert not s.is_embedded
     assert s.database == "postgresql://app:hunter2@db:5432/conveyor"
     assert s.storage == "s3://bucket/prefix" and s.shard_size == 32
     assert s.input_limits().max_line_bytes == 4096
     shown = repr(s) + str(s) + repr(s.safe_dict())
-    assert "hunter2" not in shown
+    assert "hunter2" not in shown and "scrape-token" not in shown and "sesame" not in shown
+    assert s.metrics_token == "scrape-token-0123456789"
     assert "postgresql://app:***@db:5432/conveyor" in shown and "redis://:***@redis:6379/0" in shown
 
 
