@@ -54,13 +54,21 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
                 "(CONVEYOR_MAX_CONCURRENT_UPLOADS); retry shortly.",
                 headers={"Retry-After": "1"},
             )
-        await run_in_threadpool(check_upload_start, services, owner.id, declared_length(request))
     except ApiError:
         await drain(request.stream())
         raise
-    pace = Pace(settings.upload_idle_timeout_seconds, settings.upload_min_bytes_per_second, settings.upload_max_seconds)
+    # The key's slot is taken before the first await: another upload of the key, checked while
+    # this one waits on the quota, counts it.
     services.uploads_by_owner[owner.id] = mine + 1
     try:
+        try:
+            await run_in_threadpool(check_upload_start, services, owner.id, declared_length(request))
+        except ApiError:
+            await drain(request.stream())
+            raise
+        pace = Pace(
+            settings.upload_idle_timeout_seconds, settings.upload_min_bytes_per_second, settings.upload_max_seconds
+        )
         async with services.uploads:
             upload, form = await receive_upload(
                 request, services.store, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes,
