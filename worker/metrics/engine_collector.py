@@ -9,26 +9,18 @@ the model is loaded the families are present with no samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from worker.execution.engine_host import HostStats
+from worker.metrics.host_stats_collector import HostStatsCollector
 
 
-class EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], HostStats | None], model: str) -> None:
-        self._stats = stats
-        self._model = model
-
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        host = self._stats()
-        yield from self._families(host.engine if host is not None else None)
+class EngineCollector(HostStatsCollector):
+    def _part(self, host: HostStats) -> object:
+        return host.engine
 
     def _families(self, engine: object | None) -> Iterator[Metric]:
         labels = ["model"]

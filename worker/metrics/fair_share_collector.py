@@ -17,13 +17,13 @@ label, the others are summed under ``rest``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from worker.execution.engine_host import HostStats
 from worker.execution.fair_feed import OwnerLoad
+from worker.metrics.host_stats_collector import HostStatsCollector
 
 RANKS = 4
 
@@ -39,17 +39,9 @@ def fair_share_ratio(loads: Sequence[OwnerLoad]) -> float:
     return min(1.0, min(load.served for load in wanting) / equal)
 
 
-class FairShareCollector(Collector):
-    def __init__(self, stats: Callable[[], HostStats | None], model: str) -> None:
-        self._stats = stats
-        self._model = model
-
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        host = self._stats()
-        yield from self._families(host.owners if host is not None else None)
+class FairShareCollector(HostStatsCollector):
+    def _part(self, host: HostStats) -> Sequence[OwnerLoad]:
+        return host.owners
 
     def _families(self, loads: Sequence[OwnerLoad] | None) -> Iterator[Metric]:
         model = self._model
