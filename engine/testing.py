@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES += ("gemma2", "gemma3", "glm4_moe")
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -48,6 +49,20 @@ MOE_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": False,
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # GLM-4.5's routing with every part turned on: two groups of four experts (one kept), a
+    # scaling factor, two shared experts' width, a dense first layer; q/k norm and qkv bias.
+    "glm4_moe": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": True,
+        "attention_bias": True,
+    },
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -199,6 +214,7 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
@@ -447,6 +463,9 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, 0.1)
         else:  # norm weights
             p.uniform_(0.6, 1.4)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # (a learnt buffer: zero, it would choose nothing)
+            b.normal_(0.0, 0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -121,7 +122,8 @@ class ModelSpec:
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
             o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+            or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             sliding_window=sliding,
             sliding_layers=sliding_layers,
             hidden_act=gemma.hidden_act,
@@ -175,6 +177,11 @@ class MoESpec:
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     fp32_weights: bool = False  # Mixtral keeps the routing weights in float32; Qwen casts them
+    # GLM-4.5 (``engine.models.glm4_moe``): sigmoid scores, experts chosen within the
+    # ``topk_groups`` best of ``num_groups`` groups, weights times ``routed_scaling_factor``.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: dict) -> MoESpec | None:
@@ -188,6 +195,8 @@ class MoESpec:
                 sparse_layers=tuple(range(layers)),
                 fp32_weights=True,
             )
+        if model_type == "glm4_moe":
+            return cls._glm4_moe(cfg, layers)
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
         # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
@@ -204,6 +213,24 @@ class MoESpec:
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
             if model_type == "qwen2_moe"
             else 0,
+        )
+
+    @classmethod
+    def _glm4_moe(cls, cfg: dict, layers: int) -> MoESpec:
+        num_experts, groups = int(cfg["n_routed_experts"]), int(cfg.get("n_group") or 1)
+        if num_experts % groups or num_experts // groups < 2:
+            raise ValueError(f"n_routed_experts {num_experts} must split into n_group {groups} groups of 2 or more")
+        return cls(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 1)), layers)),
+            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            fp32_weights=True,
+            num_groups=groups,
+            topk_groups=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         )
 
 
