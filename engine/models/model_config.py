@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.models.gemma4_spec import Gemma4Spec
+
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -27,10 +29,11 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Gemma4ForCausalLM": "gemma4_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,6 +75,12 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    gemma4: Gemma4Spec | None = None  # Gemma 4's per-kind KV shapes, shared KV, per-layer inputs
+
+    @property
+    def kv_cache_layers(self) -> int:
+        """The layers that own K/V in the cache (Gemma 4's shared-KV layers own none)."""
+        return self.num_layers - (self.gemma4.num_kv_shared_layers if self.gemma4 is not None else 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -101,6 +110,11 @@ class ModelSpec:
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        g4 = Gemma4Spec.from_config(cfg) if model_type == "gemma4_text" else None
+        if g4 is not None:  # the cache's per-token slot: the layer kind whose K/V is larger
+            shapes = (g4.kv_shape("sliding_attention"), g4.kv_shape("full_attention"))
+            kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
+            cfg = {**cfg, "num_key_value_heads": kv_heads}
         return cls(
             model_type=model_type,
             architecture=architecture,
@@ -134,6 +148,7 @@ class ModelSpec:
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
+            gemma4=g4,
         )
 
     def layer_window(self, index: int) -> int | None:

@@ -53,6 +53,7 @@ LLAMA3_ROPE = {
         "gemma3",
         "gemma3-tied",
         "glm4_moe",
+        "gemma4",
         "mistral-window",
         "gpt_neox",
         "granite",
@@ -71,7 +72,19 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "glm4_moe", "gpt_neox", "granite"],
+    [
+        "llama",
+        "qwen3",
+        "phi3-longrope",
+        "mixtral",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "glm4_moe",
+        "gemma4",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
@@ -101,6 +114,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
         "gemma2",
         "gemma3",
         "glm4_moe",
+        "gemma4",
         "mistral-window",
         "gpt_neox",
         "granite",
@@ -129,6 +143,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gemma2",
         "gemma3",
         "glm4_moe",
+        "gemma4",
         "mistral-window",
         "gpt_neox",
         "granite",

@@ -34,6 +34,7 @@ def _greedy(n, ignore_eos=True):
         "gemma2",
         "gemma3",
         "glm4_moe",
+        "gemma4",
         "mistral-window",
         "gpt_neox",
         "granite",
