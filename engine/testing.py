@@ -237,8 +237,8 @@ def build_tiny_model(
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
-    if family in MOE_DEFAULTS:
-        kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
+    if family in MOE_DEFAULTS or moe:
+        kwargs.update({**MOE_DEFAULTS.get(family, {}), **(moe or {})})
     if family in GEMMA_DEFAULTS:
         kwargs.update(GEMMA_DEFAULTS[family])
         layers = kwargs["num_hidden_layers"]

@@ -30,6 +30,7 @@ from engine.distributed.sharding import WeightSlot
 from engine.models.gemma4_spec import Gemma4Spec
 from engine.models.llama import LlamaForCausalLM, RMSNorm, _param
 from engine.models.model_config import ModelSpec
+from engine.models.moe import moe_sorted
 
 
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -135,6 +136,39 @@ class Gemma4MLP(nn.Module):
         return F.linear(F.gelu(gate, approximate=self.approximate) * up, self.down_weight)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class Gemma4MoE(nn.Module):
+    """The experts beside a layer's MLP (``enable_moe_block``): routed from the layer's
+    residual (weightless norm, a learnt scale, ``hidden**-0.5``), softmax in float32, top-k
+    renormalised and times each expert's learnt scale; the experts (GELU, token-sorted
+    ``moe_sorted``) run on their own pre-norm and their sum is post-normed."""
+
+    def __init__(self, spec: ModelSpec, g4: Gemma4Spec, dtype, device) -> None:
+        super().__init__()
+        e, inter, hidden, eps = g4.num_experts, g4.moe_intermediate_size, spec.hidden_size, spec.rms_norm_eps
+        self.top_k, self.eps, self.hidden = g4.top_k_experts, eps, hidden
+        self.router_proj = _param(e, hidden, dtype=dtype, device=device)
+        self.router_scale = _param(hidden, dtype=dtype, device=device)
+        self.per_expert_scale = _param(e, dtype=dtype, device=device)
+        self.gate_up = _param(e, 2 * inter, hidden, dtype=dtype, device=device)
+        self.down = _param(e, hidden, inter, dtype=dtype, device=device)
+        self.pre_feedforward_layernorm_2 = Gemma4Norm(hidden, eps, dtype, device)
+        self.post_feedforward_layernorm_2 = Gemma4Norm(hidden, eps, dtype, device)
+
+    def forward(self, residual: torch.Tensor) -> torch.Tensor:
+        h = gemma4_rms_norm(residual, None, self.eps) * self.router_scale * self.hidden**-0.5
+        probs = torch.softmax(F.linear(h, self.router_proj), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids]
+        x = self.pre_feedforward_layernorm_2(residual)
+        out = moe_sorted(x, self.gate_up, self.down, weights, ids, gelu_tanh_and_mul)
+        return self.post_feedforward_layernorm_2(out)
+
+
 class Gemma4Layer(nn.Module):
     def __init__(self, spec: ModelSpec, g4: Gemma4Spec, index: int, dtype, device) -> None:
         super().__init__()
@@ -148,6 +182,9 @@ class Gemma4Layer(nn.Module):
         self.pre_feedforward_layernorm = Gemma4Norm(hidden, eps, dtype, device)
         self.post_feedforward_layernorm = Gemma4Norm(hidden, eps, dtype, device)
         self.layer_scalar = _param(1, dtype=dtype, device=device)
+        self.moe = Gemma4MoE(spec, g4, dtype, device) if g4.num_experts else None
+        if self.moe is not None:
+            self.post_feedforward_layernorm_1 = Gemma4Norm(hidden, eps, dtype, device)
         self.ple = g4.hidden_size_per_layer_input
         if self.ple:
             self.per_layer_input_gate = _param(self.ple, hidden, dtype=dtype, device=device)
@@ -157,7 +194,10 @@ class Gemma4Layer(nn.Module):
     def forward(self, x, per_layer_input, positions, rope, backend, kv_cache, shared_kv):
         h = self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache, shared_kv)
         x = x + self.post_attention_layernorm(h)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            h = self.post_feedforward_layernorm_1(h) + self.moe(x)
+        x = x + self.post_feedforward_layernorm(h)
         if self.ple:
             gate = F.gelu(F.linear(x, self.per_layer_input_gate), approximate=self.approximate)
             x = x + self.post_per_layer_input_norm(F.linear(gate * per_layer_input, self.per_layer_projection))
@@ -263,6 +303,15 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 if isinstance(norm, Gemma4Norm):
                     slots[f"{p}{name}.weight"] = (norm.weight, 0, hidden)
             slots[f"{p}layer_scalar"] = (layer.layer_scalar, 0, 1)
+            if layer.moe is not None:
+                moe, experts = layer.moe, self.g4.num_experts
+                slots[f"{p}router.proj.weight"] = (moe.router_proj, 0, experts)
+                slots[f"{p}router.scale"] = (moe.router_scale, 0, hidden)
+                slots[f"{p}router.per_expert_scale"] = (moe.per_expert_scale, 0, experts)
+                slots[f"{p}experts.gate_up_proj"] = (moe.gate_up, 0, experts)
+                slots[f"{p}experts.down_proj"] = (moe.down, 0, experts)
+                for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+                    slots[f"{p}{name}.weight"] = (getattr(moe, name).weight, 0, hidden)
             if layer.ple:
                 slots[f"{p}per_layer_input_gate.weight"] = (layer.per_layer_input_gate, 0, ple)
                 slots[f"{p}per_layer_projection.weight"] = (layer.per_layer_projection, 0, hidden)

@@ -28,11 +28,13 @@ class Gemma4Spec:
     vocab_size_per_layer_input: int
     use_double_wide_mlp: bool
     layer_types: tuple[str, ...]
+    # ``enable_moe_block``: beside every layer's MLP, ``num_experts`` GELU experts (0: none).
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict) -> Gemma4Spec:
-        if cfg.get("enable_moe_block"):
-            raise ValueError("gemma4_text with enable_moe_block (the MoE models) is not supported yet")
         layers = int(cfg["num_hidden_layers"])
         types = list(cfg.get("layer_types") or [])
         if len(types) != layers:
@@ -77,6 +79,9 @@ class Gemma4Spec:
             vocab_size_per_layer_input=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]),
             use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
             layer_types=tuple(types),
+            num_experts=int(cfg["num_experts"]) if cfg.get("enable_moe_block") else 0,
+            top_k_experts=int(cfg.get("top_k_experts") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
         )
 
     def kv_shape(self, layer_type: str) -> tuple[int, int]:

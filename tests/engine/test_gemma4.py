@@ -1,4 +1,4 @@
-"""Gemma 4 (text, dense): what the cache holds and how configs are read. (Greedy tokens against
+"""Gemma 4 (text): what the cache holds and how configs are read. (Greedy tokens against
 transformers in the engine's conditions are in test_correctness.py and test_prefix_caching.py,
 bf16 logits in test_bf16_logits.py.)"""
 
@@ -51,11 +51,10 @@ def test_published_config_spelling_reads_the_same(tiny_models):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block .* not supported yet"),
         ({"layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 2}, "no earlier layer storing it"),
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope type 'yarn' is not supported"),
     ],
-    ids=["moe", "shared-kind-without-producer", "rope-type"],
+    ids=["shared-kind-without-producer", "rope-type"],
 )
 def test_configs_it_cannot_run_exactly_are_refused(tiny_models, change, message):
     cfg = {**_config(tiny_models("gemma4")), **change}

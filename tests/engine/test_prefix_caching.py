@@ -35,6 +35,7 @@ def _greedy(n, ignore_eos=True):
         "gemma3",
         "glm4_moe",
         "gemma4",
+        "gemma4-moe",
         "mistral-window",
         "gpt_neox",
         "granite",
