@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4")
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -36,6 +37,24 @@ GEMMA_DEFAULTS: dict[str, dict] = {
         },
     },
 }
+# Gemma 4 (dense) with every part on: full layers with other KV heads and head size than the
+# sliding ones (V from the key projection), proportional RoPE on them, the last two layers
+# reading earlier layers' KV with double-wide MLPs, per-layer input embeddings, a soft cap.
+GEMMA_DEFAULTS["gemma4"] = {
+    "num_hidden_layers": 4,
+    "sliding_window": 8,
+    "global_head_dim": 48,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 8,
+    "final_logit_softcapping": 12.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
+    },
+}
 # The mixture-of-experts families' defaults (``build_tiny_model``'s ``moe`` overrides them):
 # few, small experts, two per token, so a test run stays fast and most experts get tokens.
 MOE_DEFAULTS: dict[str, dict] = {
@@ -48,6 +67,20 @@ MOE_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": False,
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # GLM-4.5's routing with every part turned on: two groups of four experts (one kept), a
+    # scaling factor, two shared experts' width, a dense first layer; q/k norm and qkv bias.
+    "glm4_moe": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": True,
+        "attention_bias": True,
+    },
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -199,15 +232,20 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "glm4_moe": transformers.Glm4MoeConfig,
+        "gemma4": transformers.Gemma4TextConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
-    if family in MOE_DEFAULTS:
-        kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
+    if family in MOE_DEFAULTS or moe:
+        kwargs.update({**MOE_DEFAULTS.get(family, {}), **(moe or {})})
     if family in GEMMA_DEFAULTS:
         kwargs.update(GEMMA_DEFAULTS[family])
-        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+        layers = kwargs["num_hidden_layers"]
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        if family == "gemma4":
+            kwargs["vocab_size_per_layer_input"] = vocab
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
@@ -447,6 +485,11 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, 0.1)
         else:  # norm weights
             p.uniform_(0.6, 1.4)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # (a learnt buffer: zero, it would choose nothing)
+            b.normal_(0.0, 0.5)
+        elif name.endswith("layer_scalar"):  # (Gemma 4's, saved with the weights)
+            b.uniform_(0.6, 1.4)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -261,6 +261,10 @@ class LlamaForCausalLM(nn.Module):
         return full[..., : self.spec.vocab_size] if full is not None else logits.new_empty(0)
 
     # ---- loading from Hugging Face names ---------------------------------------------
+    def skips_weight(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` is one this forward pass does not use."""
+        return False
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Each HF tensor name -> (our tensor, row offset, rows[, the ``Shard`` of it this
         tensor-parallel rank takes]), for fused loading."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.models.gemma4_spec import Gemma4Spec
+
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,10 +28,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Gemma4ForCausalLM": "gemma4_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -71,6 +75,12 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    gemma4: Gemma4Spec | None = None  # Gemma 4's per-kind KV shapes, shared KV, per-layer inputs
+
+    @property
+    def kv_cache_layers(self) -> int:
+        """The layers that own K/V in the cache (Gemma 4's shared-KV layers own none)."""
+        return self.num_layers - (self.gemma4.num_kv_shared_layers if self.gemma4 is not None else 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -100,6 +110,11 @@ class ModelSpec:
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        g4 = Gemma4Spec.from_config(cfg) if model_type == "gemma4_text" else None
+        if g4 is not None:  # the cache's per-token slot: the layer kind whose K/V is larger
+            shapes = (g4.kv_shape("sliding_attention"), g4.kv_shape("full_attention"))
+            kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
+            cfg = {**cfg, "num_key_value_heads": kv_heads}
         return cls(
             model_type=model_type,
             architecture=architecture,
@@ -121,7 +136,8 @@ class ModelSpec:
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
             o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+            or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             sliding_window=sliding,
             sliding_layers=sliding_layers,
             hidden_act=gemma.hidden_act,
@@ -132,6 +148,7 @@ class ModelSpec:
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
+            gemma4=g4,
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -175,6 +192,11 @@ class MoESpec:
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     fp32_weights: bool = False  # Mixtral keeps the routing weights in float32; Qwen casts them
+    # GLM-4.5 (``engine.models.glm4_moe``): sigmoid scores, experts chosen within the
+    # ``topk_groups`` best of ``num_groups`` groups, weights times ``routed_scaling_factor``.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: dict) -> MoESpec | None:
@@ -188,6 +210,8 @@ class MoESpec:
                 sparse_layers=tuple(range(layers)),
                 fp32_weights=True,
             )
+        if model_type == "glm4_moe":
+            return cls._glm4_moe(cfg, layers)
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
         # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
@@ -204,6 +228,24 @@ class MoESpec:
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
             if model_type == "qwen2_moe"
             else 0,
+        )
+
+    @classmethod
+    def _glm4_moe(cls, cfg: dict, layers: int) -> MoESpec:
+        num_experts, groups = int(cfg["n_routed_experts"]), int(cfg.get("n_group") or 1)
+        if num_experts % groups or num_experts // groups < 2:
+            raise ValueError(f"n_routed_experts {num_experts} must split into n_group {groups} groups of 2 or more")
+        return cls(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 1)), layers)),
+            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            fp32_weights=True,
+            num_groups=groups,
+            topk_groups=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         )
 
 

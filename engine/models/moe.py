@@ -47,7 +47,12 @@ def route(
 
 
 def moe_sorted(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, on the token-sorted path.
 
@@ -56,7 +61,8 @@ def moe_sorted(
     assignments are sorted by expert (stable, so each expert's tokens keep their order); one
     gate/up matmul, SiLU-and-mul and down matmul per expert that has tokens; each output row
     times its routing weight, added back onto its token (``index_add_``). The only loop is over
-    experts; their token counts are read to the host once."""
+    experts; their token counts are read to the host once. ``act_and_mul``: the gated
+    activation (SiLU; Gemma 4's experts use GELU)."""
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -70,7 +76,7 @@ def moe_sorted(
             continue
         rows = slice(start, start + count)
         gate_up = F.linear(sorted_x[rows], w13[expert])
-        out[rows] = F.linear(reference.silu_and_mul(gate_up), w2[expert])
+        out[rows] = F.linear(act_and_mul(gate_up), w2[expert])
         start += count
     weighted = (out * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, weighted)

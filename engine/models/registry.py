@@ -4,6 +4,8 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 from __future__ import annotations
 
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM
+from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
@@ -20,6 +22,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
 }
 
 

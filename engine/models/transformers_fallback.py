@@ -82,6 +82,7 @@ def fallback_spec(path: Path) -> ModelSpec:
                 f"{cfg.model_type}: {name}={getattr(cfg, name)} is set; soft-capping is not supported by "
                 "the transformers fallback"
             )
+    _check_one_kv_shape(cfg)
     num_heads = cfg.num_attention_heads
     hidden = cfg.hidden_size
     max_len = next((getattr(cfg, key) for key in _MAX_LEN_KEYS if getattr(cfg, key, None)), None)
@@ -111,6 +112,30 @@ def fallback_spec(path: Path) -> ModelSpec:
         checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
         eos_token_ids=eos_ids,
     )
+
+
+def _check_one_kv_shape(cfg: Any) -> None:
+    """The paged cache gives every layer its own K/V of one shape: refuse a config whose layers
+    differ in KV heads or head size (Gemma 4's full layers) or read other layers' KV (Gemma 4's
+    ``num_kv_shared_layers``), which would otherwise fail mid-step or attend to the wrong keys."""
+    shared = getattr(cfg, "num_kv_shared_layers", 0) or 0
+    if shared:
+        raise ValueError(
+            f"{cfg.model_type}: num_kv_shared_layers={shared}: layers that read other layers' KV "
+            "are not supported by the transformers fallback"
+        )
+    per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is None:
+        return
+    layers = [per_layer[i] for i in range(cfg.num_hidden_layers)]
+    # (a config without the field, such as Granite's head_dim, has one value for every layer)
+    shapes = {(getattr(layer, "head_dim", None), getattr(layer, "num_key_value_heads", None)) for layer in layers}
+    if len(shapes) > 1:
+        found = ", ".join(f"{heads} KV heads of {dim}" for dim, heads in sorted(shapes, key=str))
+        raise ValueError(
+            f"{cfg.model_type}: its layers have different KV shapes ({found}); the transformers fallback's "
+            "cache gives every layer one shape"
+        )
 
 
 def _sliding_window(cfg: Any) -> int | None:

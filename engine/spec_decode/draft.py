@@ -75,13 +75,13 @@ class DraftModel:
 
     def block_bytes(self, block_size: int) -> int:
         s = self.model_spec
-        return kv_block_bytes(s.num_layers, block_size, s.num_kv_heads, s.head_dim, self.dtype)
+        return kv_block_bytes(s.kv_cache_layers, block_size, s.num_kv_heads, s.head_dim, self.dtype)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         s = self.model_spec
-        shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        shape = (s.kv_cache_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(s.num_layers)]
+        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(s.kv_cache_layers)]
         self.block_size = block_size
 
     def keep_only(self, running: list[Request]) -> None:

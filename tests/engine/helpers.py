@@ -32,6 +32,13 @@ MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # Gemma ties its embeddings in every real checkpoint (the tiny default is untied: tied, the
     # scaled embedding dominates and a random model repeats its last token).
     "gemma3-tied": ("gemma3", {"tie_word_embeddings": True}, {}),
+    # Gemma 4's MoE block (26B-A4B's layout) beside every layer's MLP, over the default's shared KV
+    # and per-layer inputs.
+    "gemma4-moe": (
+        "gemma4",
+        {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}},
+        {},
+    ),
     "qwen2_moe-dense-layers": (
         "qwen2_moe",
         {"num_layers": 4, "moe": {"decoder_sparse_step": 2, "mlp_only_layers": [3]}},

@@ -52,6 +52,9 @@ LLAMA3_ROPE = {
         "gemma2",
         "gemma3",
         "gemma3-tied",
+        "glm4_moe",
+        "gemma4",
+        "gemma4-moe",
         "mistral-window",
         "gpt_neox",
         "granite",
@@ -69,7 +72,20 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_neox", "granite"]
+    "family",
+    [
+        "llama",
+        "qwen3",
+        "phi3-longrope",
+        "mixtral",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "glm4_moe",
+        "gemma4",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
@@ -91,7 +107,20 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_neox", "granite"],
+    [
+        "llama",
+        "qwen2",
+        "phi3-longrope",
+        "qwen2_moe",
+        "gemma2",
+        "gemma3",
+        "glm4_moe",
+        "gemma4",
+        "gemma4-moe",
+        "mistral-window",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
@@ -115,6 +144,9 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "qwen2_moe",
         "gemma2",
         "gemma3",
+        "glm4_moe",
+        "gemma4",
+        "gemma4-moe",
         "mistral-window",
         "gpt_neox",
         "granite",

@@ -47,6 +47,8 @@ def ranks_of(llm: LLM) -> RankGroup:
         ("llama", {"num_kv_heads": 1, "tie_word_embeddings": True}),
         # Experts split by their intermediate dim; q/k norm; an LM head of its own.
         ("qwen3_moe", {}),
+        # GLM-4.5: the float32 router whole on every rank, the ungated shared expert split too.
+        ("glm4_moe", {}),
     ],
 )
 def test_two_ranks_match_one_process_and_transformers(tiny_models, hf_reference, make_llm, family, build):

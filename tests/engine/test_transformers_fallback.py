@@ -13,7 +13,7 @@ import torch
 from engine import EngineConfig, SamplingParams
 from engine.attention.torch_backend import TorchAttention
 from engine.models.loader import check_checkpoint
-from engine.models.transformers_fallback import _STEP, _Step, paged_attention
+from engine.models.transformers_fallback import _STEP, _Step, fallback_spec, paged_attention
 from tests.engine.reference import assert_outputs_match
 
 PROMPTS = ["The chef will bring", "Tea", "Seven guests wait at the table and the waiter pours cold water"]
@@ -94,3 +94,37 @@ def test_the_attention_function_refuses_what_it_cannot_compute():
             paged_attention(Layer(), q, torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8), None)
     finally:
         _STEP.reset(token)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_kv_shared_layers": 2}, "num_kv_shared_layers=2: layers that read other layers' KV"),
+        ({}, r"its layers have different KV shapes \(2 KV heads of 16, 1 KV heads of 32\)"),
+    ],
+    ids=["shared-kv", "per-layer-kv-shapes"],
+)
+def test_layers_of_other_kv_shapes_or_shared_kv_are_refused(tmp_path, fields, message):
+    """Gemma 4 has neither a native forward pass nor a cache the fallback can give it: its full
+    layers' KV heads and head size differ from its sliding layers', and later layers may read
+    earlier layers' KV. Refused at load, naming why, instead of failing inside a step."""
+    import transformers
+
+    # (global_head_dim and num_global_key_value_heads are read from kwargs: untyped)
+    fields = {"global_head_dim": 32, "num_global_key_value_heads": 1, **fields}
+    config = transformers.Gemma4TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        **fields,
+    )
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=f"gemma4_text: {message}"):
+        fallback_spec(tmp_path)
