@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"),
+    "gpt_oss",
+)
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -48,6 +51,9 @@ MOE_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": False,
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # gpt-oss's experts are ``intermediate_size`` wide; its window is short, its layers alternate
+    # sliding and full, and its RoPE is the released models' YaRN (factor 32 over 4096 positions).
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8},
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -64,6 +70,11 @@ FALLBACK_FAMILIES: dict[str, dict] = {
     },
     # LayerNorm, parallel attention and MLP, interleaved RoPE, a logit scale.
     "cohere": {"logit_scale": 0.5, "layer_norm_eps": 1e-5},
+    # Llama with RoPE left out of every second layer (NoPE layers).
+    "smollm3": {"no_rope_layer_interval": 2},
+    # Norms after attention and the MLP (none before), q/k RMSNorm over all heads at once,
+    # sliding and full layers (a window the engine's max_model_len stays inside).
+    "olmo3": {"rms_norm_eps": 1e-6},
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
@@ -199,15 +210,16 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
-    if family in GEMMA_DEFAULTS:
-        kwargs.update(GEMMA_DEFAULTS[family])
+    if family in GEMMA_DEFAULTS or family == "gpt_oss":
+        kwargs.update(GEMMA_DEFAULTS.get(family, {}))
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
@@ -445,6 +457,8 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, std)
         elif name.endswith("bias"):
             p.normal_(0.0, 0.1)
+        elif name.endswith("sinks"):  # gpt-oss: spread like the scores, so that they weigh
+            p.normal_(0.0, 2.0)
         else:  # norm weights
             p.uniform_(0.6, 1.4)
 

@@ -26,9 +26,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -71,6 +72,11 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    # gpt-oss: a learned per-head logit in every attention softmax (``sinks``), and its
+    # experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -119,7 +125,7 @@ class ModelSpec:
             qkv_bias=model_type == "qwen2"
             or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
-            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding,
@@ -132,6 +138,9 @@ class ModelSpec:
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
+            attention_sinks=model_type == "gpt_oss",
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -158,6 +167,8 @@ class ModelSpec:
             inv_freq = inv_freq / s["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, s)
+        elif kind == "yarn":
+            return _yarn_inv_freq(self.rope_theta**exponents, dim, self.rope_theta, s)
         return inv_freq, 1.0
 
 
@@ -187,6 +198,14 @@ class MoESpec:
                 renormalize=True,
                 sparse_layers=tuple(range(layers)),
                 fp32_weights=True,
+            )
+        if model_type == "gpt_oss":  # (routing and experts: ``engine.models.gpt_oss``)
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                renormalize=True,
+                sparse_layers=tuple(range(layers)),
             )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
@@ -274,7 +293,9 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
     if model_type in ("mistral", "phi3", "mixtral"):
         return int(window), None
     types = cfg.get("layer_types")
-    if model_type in GEMMA_MODEL_TYPES:
+    if model_type == "gpt_oss":  # (transformers' default: even layers slide)
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    elif model_type in GEMMA_MODEL_TYPES:
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     elif not cfg.get("use_sliding_window"):
@@ -328,6 +349,8 @@ def _rope(cfg: dict) -> tuple[float, dict, float]:
     scaling["rope_type"] = kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if kind == "yarn":
+        _resolve_yarn(scaling, cfg)
     if kind == "longrope":
         original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if not original:
@@ -353,6 +376,50 @@ def _longrope_inv_freq(exponents: torch.Tensor, theta: float, s: dict, max_len: 
     long = max_len > s["original_max_position_embeddings"]
     ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
     return 1.0 / (ext * theta**exponents), float(s["attention_factor"])
+
+
+def _resolve_yarn(scaling: dict, cfg: dict) -> None:
+    """YaRN's factor and attention factor, resolved in place as transformers resolves them."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("yarn scaling needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = original = int(original)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    scaling["factor"] = factor = float(factor)
+    if scaling.get("attention_factor") is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling["attention_factor"] = _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: each dimension's frequency blended between the original (fast rotations) and the
+    one divided by ``factor`` (slow ones), by a linear ramp between the dimensions that turn
+    ``beta_fast`` and ``beta_slow`` times over the original context; cos/sin scaled by the
+    attention factor. ``truncate`` (default true; gpt-oss sets false) rounds the ramp's ends."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of the original frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(s["attention_factor"])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -35,7 +35,8 @@ LLAMA3_ROPE = {
 }
 
 
-# gpt_neox, granite and cohere have no native forward pass: they run through the transformers fallback.
+# gpt_neox, granite, cohere, smollm3 and olmo3 have no native forward pass: they run through
+# the transformers fallback.
 @pytest.mark.parametrize(
     "family",
     [
@@ -53,9 +54,12 @@ LLAMA3_ROPE = {
         "gemma3",
         "gemma3-tied",
         "mistral-window",
+        "gpt_oss",
         "gpt_neox",
         "granite",
         "cohere",
+        "smollm3",
+        "olmo3",
     ],
 )
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
@@ -69,7 +73,8 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_neox", "granite"]
+    "family",
+    ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "gpt_neox", "granite"],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
@@ -91,7 +96,10 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_neox", "granite"],
+    [
+        *("llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_oss"),
+        *("gpt_neox", "granite"),
+    ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
@@ -116,6 +124,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gemma2",
         "gemma3",
         "mistral-window",
+        "gpt_oss",
         "gpt_neox",
         "granite",
     ],

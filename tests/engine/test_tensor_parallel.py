@@ -47,6 +47,9 @@ def ranks_of(llm: LLM) -> RankGroup:
         ("llama", {"num_kv_heads": 1, "tie_word_embeddings": True}),
         # Experts split by their intermediate dim; q/k norm; an LM head of its own.
         ("qwen3_moe", {}),
+        # gpt-oss: sinks split with their heads, interleaved gate/up columns, biased experts
+        # (the down bias added on one rank), o_proj's bias once.
+        ("gpt_oss", {}),
     ],
 )
 def test_two_ranks_match_one_process_and_transformers(tiny_models, hf_reference, make_llm, family, build):
