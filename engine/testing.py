@@ -18,7 +18,7 @@ import torch
 
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"),
-    "gpt_oss",
+    *("gpt_oss", "smollm3"),
 )
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
@@ -70,8 +70,6 @@ FALLBACK_FAMILIES: dict[str, dict] = {
     },
     # LayerNorm, parallel attention and MLP, interleaved RoPE, a logit scale.
     "cohere": {"logit_scale": 0.5, "layer_norm_eps": 1e-5},
-    # Llama with RoPE left out of every second layer (NoPE layers).
-    "smollm3": {"no_rope_layer_interval": 2},
     # Norms after attention and the MLP (none before), q/k RMSNorm over all heads at once,
     # sliding and full layers (a window the engine's max_model_len stays inside).
     "olmo3": {"rms_norm_eps": 1e-6},
@@ -211,6 +209,7 @@ def build_tiny_model(
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "gpt_oss": transformers.GptOssConfig,
+        "smollm3": transformers.SmolLM3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
@@ -223,6 +222,8 @@ def build_tiny_model(
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
+    if family == "smollm3":  # every second layer NoPE, and those sliding (window 8)
+        kwargs.update(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, attention_bias=True)
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
     if partial_rotary_factor is not None:

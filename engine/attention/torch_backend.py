@@ -29,6 +29,9 @@ DECODE_BUCKET_GROWTH = 1.25
 # blocks), that prefix is read once for all of them instead of once per request.
 CASCADE_MIN_SHARED_TOKENS = 256
 CASCADE_MIN_DECODES = 4
+# The decode plan of full attention without the cascade (attention sinks: the shared prefix's
+# partial sums would be merged without the sink).
+NO_CASCADE = "no cascade"
 
 # A bucket of decodes: (first, end) rows, their block tables past the shared prefix, and the
 # additive mask that hides each row's padding.
@@ -41,8 +44,9 @@ class TorchAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self._slots = meta.slot_mapping.long()
-        # Per sliding window (None: full causal) and cascade or not (sinks): the shared prefix blocks and the buckets.
-        self._plans: dict[tuple[int | None, bool], tuple[torch.Tensor | None, list[DecodeBucket]]] = {}
+        # Per sliding window (None: full causal; ``NO_CASCADE``: full, for sinks): the shared
+        # prefix blocks and the buckets.
+        self._plans: dict[int | str | None, tuple[torch.Tensor | None, list[DecodeBucket]]] = {}
         # Per prefill chunk: (request, first query row, query tokens, context tokens).
         self._prefills: list[tuple[int, int, int, int]] = []
         start = meta.num_decodes
@@ -55,7 +59,7 @@ class TorchAttention(AttentionBackend):
         self, block_size: int, dtype: torch.dtype, window: int | None, cascade: bool = True
     ) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
         """Built once per step and window: the block ids all decodes share (or None), and the buckets."""
-        key = (window, cascade)
+        key = NO_CASCADE if window is None and not cascade else window  # (windows never cascade)
         if key not in self._plans:
             meta = self.meta
             nd = meta.num_decodes

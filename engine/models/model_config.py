@@ -27,12 +27,15 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "GptOssForCausalLM": "gpt_oss",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+# The families whose ``attention_bias`` covers o_proj too (the others bias q/k/v only).
+_O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -75,6 +78,9 @@ class ModelSpec:
     # gpt-oss: a learned per-head logit in every attention softmax (``sinks``), and its
     # experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
     attention_sinks: bool = False
+    # SmolLM3: which layers turn their queries and keys with RoPE (None: every layer; the
+    # others are NoPE layers).
+    rope_layers: tuple[bool, ...] | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
 
@@ -125,7 +131,7 @@ class ModelSpec:
             qkv_bias=model_type == "qwen2"
             or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
-            o_bias=model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and bool(cfg.get("attention_bias", False)),
+            o_bias=model_type in _O_BIAS_MODEL_TYPES and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding,
@@ -139,6 +145,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
             attention_sinks=model_type == "gpt_oss",
+            rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         )
@@ -300,6 +307,8 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
         default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     elif not cfg.get("use_sliding_window"):
         return None, None
+    elif model_type == "smollm3":  # (transformers' default: the NoPE layers slide)
+        default = ["full_attention" if rope else "sliding_attention" for rope in _rope_layers(cfg)]
     elif model_type == "qwen3_moe":
         return int(window), None
     elif model_type == "qwen2_moe":
@@ -316,6 +325,19 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
         raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
     sliding = tuple(t == "sliding_attention" for t in types)
     return (int(window), sliding) if any(sliding) else (None, None)
+
+
+def _rope_layers(cfg: dict) -> tuple[bool, ...]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), or transformers' default from
+    ``no_rope_layer_interval`` (every n-th layer is NoPE)."""
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(bool(f) for f in flags)
 
 
 def _architecture(cfg: dict) -> str:

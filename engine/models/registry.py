@@ -9,6 +9,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -34,9 +34,13 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# YaRN as Qwen and DeepSeek set it (the ramp's ends rounded: ``truncate`` left at its default);
+# gpt-oss's own (``truncate: false``) is in its tiny checkpoint.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
-# gpt_neox, granite, cohere, smollm3 and olmo3 have no native forward pass: they run through
-# the transformers fallback.
+
+# gpt_neox, granite, cohere and olmo3 have no native forward pass: they run through the
+# transformers fallback.
 @pytest.mark.parametrize(
     "family",
     [
@@ -55,10 +59,10 @@ LLAMA3_ROPE = {
         "gemma3-tied",
         "mistral-window",
         "gpt_oss",
+        "smollm3",
         "gpt_neox",
         "granite",
         "cohere",
-        "smollm3",
         "olmo3",
     ],
 )
@@ -98,7 +102,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     "family",
     [
         *("llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_oss"),
-        *("gpt_neox", "granite"),
+        *("smollm3", "gpt_neox", "granite"),
     ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
@@ -125,6 +129,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gemma3",
         "mistral-window",
         "gpt_oss",
+        "smollm3",
         "gpt_neox",
         "granite",
     ],
@@ -157,8 +162,9 @@ def test_prefix_caching_off_gives_the_same_tokens(tiny_models, hf_reference, mak
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         {"tie_word_embeddings": True, "num_kv_heads": 4},
         {"num_kv_heads": 1, "head_dim": 32},
+        {"rope_scaling": YARN_ROPE},
     ],
-    ids=["4x-config", "llama3-rope", "llama3-rope-4x-config", "linear-rope", "tied-mha", "mqa-headdim32"],
+    ids=["4x-config", "llama3-rope", "llama3-rope-4x-config", "linear-rope", "tied-mha", "mqa-headdim32", "yarn-rope"],
 )
 def test_config_variants_match_transformers(kwargs, tiny_models, hf_reference, make_llm):
     path = tiny_models("llama", **kwargs)

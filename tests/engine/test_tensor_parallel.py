@@ -50,6 +50,8 @@ def ranks_of(llm: LLM) -> RankGroup:
         # gpt-oss: sinks split with their heads, interleaved gate/up columns, biased experts
         # (the down bias added on one rank), o_proj's bias once.
         ("gpt_oss", {}),
+        # SmolLM3: NoPE layers (sliding) among RoPE ones, biases on q/k/v/o.
+        ("smollm3", {}),
     ],
 )
 def test_two_ranks_match_one_process_and_transformers(tiny_models, hf_reference, make_llm, family, build):

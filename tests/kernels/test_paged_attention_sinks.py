@@ -49,6 +49,16 @@ def test_sinks_of_the_wrong_shape_are_refused():
         paged_attention(*batch.args(), sinks=torch.zeros(3, dtype=batch.q.dtype, device=DEVICE))
 
 
+class _GptOssAttentionStandIn(torch.nn.Module):
+    """What transformers' eager gpt-oss attention reads from its module."""
+
+    def __init__(self, num_key_value_groups: int, sinks: torch.Tensor) -> None:
+        super().__init__()
+        self.num_key_value_groups = num_key_value_groups
+        self.sinks = torch.nn.Parameter(sinks, requires_grad=False)
+        self.train(False)
+
+
 def test_reference_sinks_follow_transformers_eager_attention():
     """The oracle against transformers' own gpt-oss attention over one request: a large sink
     takes weight from every key (the output shrinks), and the values match."""
@@ -59,8 +69,7 @@ def test_reference_sinks_follow_transformers_eager_attention():
     ours = ref_paged_attention(*batch.args(), sinks=sinks)
     k = batch.k_cache[batch.block_tables[0, :3].long()].flatten(0, 1)[:12]
     v = batch.v_cache[batch.block_tables[0, :3].long()].flatten(0, 1)[:12]
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.sinks, module.training = 2, sinks, False
+    module = _GptOssAttentionStandIn(num_key_value_groups=2, sinks=sinks)
     mask = torch.full((12, 12), float("-inf")).triu(1)[None, None]
     theirs, _ = eager_attention_forward(
         module, batch.q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, batch.scale
