@@ -18,7 +18,7 @@ import torch
 
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"),
-    *("gpt_oss", "smollm3"),
+    *("gpt_oss", "smollm3", "olmo3"),
 )
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
@@ -36,6 +36,22 @@ GEMMA_DEFAULTS: dict[str, dict] = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        },
+    },
+}
+# OLMo 3's: a short window, sliding and full layers alternating, the full layers' RoPE YaRN
+# (as the released long-context models set it), the sliding layers' plain with the same base.
+OLMO3_DEFAULTS: dict[str, dict] = {
+    "olmo3": {
+        "sliding_window": 8,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            },
         },
     },
 }
@@ -70,9 +86,6 @@ FALLBACK_FAMILIES: dict[str, dict] = {
     },
     # LayerNorm, parallel attention and MLP, interleaved RoPE, a logit scale.
     "cohere": {"logit_scale": 0.5, "layer_norm_eps": 1e-5},
-    # Norms after attention and the MLP (none before), q/k RMSNorm over all heads at once,
-    # sliding and full layers (a window the engine's max_model_len stays inside).
-    "olmo3": {"rms_norm_eps": 1e-6},
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
@@ -210,13 +223,14 @@ def build_tiny_model(
         "gemma3": transformers.Gemma3TextConfig,
         "gpt_oss": transformers.GptOssConfig,
         "smollm3": transformers.SmolLM3Config,
+        "olmo3": transformers.Olmo3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
-    if family in GEMMA_DEFAULTS or family == "gpt_oss":
-        kwargs.update(GEMMA_DEFAULTS.get(family, {}))
+    if family in GEMMA_DEFAULTS or family in ("gpt_oss", "olmo3"):
+        kwargs.update(GEMMA_DEFAULTS.get(family, {}) or OLMO3_DEFAULTS.get(family, {}))
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads

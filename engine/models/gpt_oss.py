@@ -30,6 +30,9 @@ from engine.models.model_config import ModelSpec
 
 
 class GptOssRMSNorm(RMSNorm):
+    """RMSNorm as transformers' gpt-oss and OLMo 3 compute it: float32 throughout, multiplied
+    by the weight before the one rounding to the input dtype."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -6,6 +6,7 @@ Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
+    "Olmo3ForCausalLM": "olmo3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -35,7 +37,7 @@ GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 # The families whose ``attention_bias`` covers o_proj too (the others bias q/k/v only).
-_O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3")
+_O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3", "olmo3")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -107,6 +109,9 @@ class ModelSpec:
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
         gemma = _GemmaFields.from_config(cfg) if model_type in GEMMA_MODEL_TYPES else _GemmaFields()
+        if model_type == "olmo3":  # (its sliding layers' RoPE base, as Gemma 3's, in ``local_rope_theta``)
+            local_theta, olmo3_rope = _olmo3_rope(cfg)
+            gemma = dataclasses.replace(gemma, local_rope_theta=local_theta, global_rope_config=olmo3_rope)
         theta, scaling, partial = _rope(gemma.global_rope_config if gemma.global_rope_config is not None else cfg)
         sliding, sliding_layers = _sliding_layers(cfg, model_type, int(cfg["num_hidden_layers"]))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -288,6 +293,25 @@ def _gemma3_rope(cfg: dict) -> tuple[float, dict]:
     }
 
 
+def _olmo3_rope(cfg: dict) -> tuple[float, dict]:
+    """OLMo 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
+    layers' RoPE in the spelling ``_rope`` reads. transformers 5.x writes one
+    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` for both and
+    ``rope_scaling`` for the full layers only."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local, full = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
+    else:
+        theta = cfg.get("rope_theta", 500_000.0)
+        local, full = {"rope_theta": theta}, {**(cfg.get("rope_scaling") or {}), "rope_theta": theta}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"OLMo 3 sliding layers' rope type {local['rope_type']!r} is not supported")
+    full.setdefault("rope_theta", 500_000.0)
+    # (what a YaRN factor left out is derived from)
+    lengths = {k: cfg[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if cfg.get(k)}
+    return float(local.get("rope_theta", 500_000.0)), {"rope_parameters": full, **lengths}
+
+
 def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
     """The sliding window and which layers use it (None: every layer), as transformers
     applies them for each family: Mistral, Phi-3 and Mixtral slide every layer when the config
@@ -302,6 +326,8 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
     types = cfg.get("layer_types")
     if model_type == "gpt_oss":  # (transformers' default: even layers slide)
         default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    elif model_type == "olmo3":  # (transformers' default: every 4th layer is full)
+        default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)]
     elif model_type in GEMMA_MODEL_TYPES:
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]

@@ -39,8 +39,7 @@ LLAMA3_ROPE = {
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
-# gpt_neox, granite, cohere and olmo3 have no native forward pass: they run through the
-# transformers fallback.
+# gpt_neox, granite and cohere have no native forward pass: they run through the transformers fallback.
 @pytest.mark.parametrize(
     "family",
     [
@@ -60,10 +59,10 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddin
         "mistral-window",
         "gpt_oss",
         "smollm3",
+        "olmo3",
         "gpt_neox",
         "granite",
         "cohere",
-        "olmo3",
     ],
 )
 def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_reference, make_llm):
@@ -78,7 +77,10 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "gpt_neox", "granite"],
+    [
+        *("llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "olmo3"),
+        *("gpt_neox", "granite"),
+    ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
@@ -102,7 +104,7 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     "family",
     [
         *("llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_oss"),
-        *("smollm3", "gpt_neox", "granite"),
+        *("smollm3", "olmo3", "gpt_neox", "granite"),
     ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
@@ -130,6 +132,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "mistral-window",
         "gpt_oss",
         "smollm3",
+        "olmo3",
         "gpt_neox",
         "granite",
     ],

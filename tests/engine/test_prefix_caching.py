@@ -28,7 +28,7 @@ def _greedy(n, ignore_eos=True):
     "family",
     [
         *("qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "mistral-window", "gpt_oss"),
-        *("smollm3", "gpt_neox", "granite"),
+        *("smollm3", "olmo3", "gpt_neox", "granite"),
     ],
 )
 def test_cache_hits_keep_outputs_exact(family, tiny_models, hf_reference, make_llm):

@@ -43,19 +43,6 @@ def test_auto_picks_native_when_the_registry_has_the_architecture(tiny_models, m
     assert make_llm(tiny_models("granite")).engine.model_impl == "transformers"
 
 
-def test_olmo3_runs_through_the_fallback_inside_its_window(tiny_models, make_llm):
-    """OLMo 3 is not a few lines on the Llama layers (its q/k norms span all heads, its norms
-    follow each block instead of preceding it, its layer types have RoPE of their own), so it
-    has no native forward pass: ``auto`` runs it through transformers' layers (its tokens
-    against transformers are in ``test_correctness``), with max_model_len inside its window."""
-    path = tiny_models("olmo3")
-    llm = make_llm(path)
-    assert llm.engine.model_impl == "transformers"
-    assert llm.engine.max_model_len <= json.loads((Path(path) / "config.json").read_text())["sliding_window"]
-    with pytest.raises(ValueError, match="architecture Olmo3ForCausalLM is not supported"):
-        make_llm(path, model_impl="native")
-
-
 def test_a_fallback_checkpoint_passes_the_submit_check(tiny_models):
     assert check_checkpoint(Path(tiny_models("granite"))).architecture == "GraniteForCausalLM"
 
