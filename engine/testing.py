@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
-FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4")
+FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3")
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -55,6 +55,22 @@ GEMMA_DEFAULTS["gemma4"] = {
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
     },
 }
+# OLMo 3's: a short window, sliding and full layers alternating, the full layers' RoPE YaRN
+# (as the released long-context models set it), the sliding layers' plain with the same base.
+OLMO3_DEFAULTS: dict[str, dict] = {
+    "olmo3": {
+        "sliding_window": 8,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            },
+        },
+    },
+}
 # The mixture-of-experts families' defaults (``build_tiny_model``'s ``moe`` overrides them):
 # few, small experts, two per token, so a test run stays fast and most experts get tokens.
 MOE_DEFAULTS: dict[str, dict] = {
@@ -81,6 +97,9 @@ MOE_DEFAULTS: dict[str, dict] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # gpt-oss's experts are ``intermediate_size`` wide; its window is short, its layers alternate
+    # sliding and full, and its RoPE is the released models' YaRN (factor 32 over 4096 positions).
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8},
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -234,21 +253,26 @@ def build_tiny_model(
         "gemma3": transformers.Gemma3TextConfig,
         "glm4_moe": transformers.Glm4MoeConfig,
         "gemma4": transformers.Gemma4TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
+        "smollm3": transformers.SmolLM3Config,
+        "olmo3": transformers.Olmo3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS or moe:
         kwargs.update({**MOE_DEFAULTS.get(family, {}), **(moe or {})})
-    if family in GEMMA_DEFAULTS:
-        kwargs.update(GEMMA_DEFAULTS[family])
+    if family in GEMMA_DEFAULTS or family in ("gpt_oss", "olmo3"):
+        kwargs.update(GEMMA_DEFAULTS.get(family, {}) or OLMO3_DEFAULTS.get(family, {}))
         layers = kwargs["num_hidden_layers"]
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if family == "gemma4":
             kwargs["vocab_size_per_layer_input"] = vocab
-    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4"):
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4", "gpt_oss"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
+    if family == "smollm3":  # every second layer NoPE, and those sliding (window 8)
+        kwargs.update(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, attention_bias=True)
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
     if partial_rotary_factor is not None:
@@ -483,6 +507,8 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
             p.normal_(0.0, std)
         elif name.endswith("bias"):
             p.normal_(0.0, 0.1)
+        elif name.endswith("sinks"):  # gpt-oss: spread like the scores, so that they weigh
+            p.normal_(0.0, 2.0)
         else:  # norm weights
             p.uniform_(0.6, 1.4)
     for name, b in model.named_buffers():

@@ -13,8 +13,11 @@ Query ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and 
 keys ``0..position`` (the causal mask is offset by the tokens already in the cache). A
 ``sliding_window`` of ``W`` keeps the last ``W`` of them (``position - key < W``): key tiles
 wholly before a query block's window are not visited. A ``softcap`` of ``c`` turns each
-scaled score ``s`` into ``c * tanh(s / c)`` before the softmax (Gemma 2). Both are
-compile-time constants, so a model without them runs the same code as before.
+scaled score ``s`` into ``c * tanh(s / c)`` before the softmax (Gemma 2). ``sinks``
+(``[num_q_heads]``, gpt-oss) add each head's sink as one more logit to its softmax, with no
+value: folded into the running max and sum once, after the last key tile (with key splits, in
+the reduction instead, as one more split whose output is zero). All three are compile-time
+constants, so a model without them runs the same code as before.
 
 Kernel structure
 ----------------
@@ -57,6 +60,7 @@ def _paged_attn_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     scale_log2e,
     stride_qt,
     stride_qh,
@@ -86,6 +90,7 @@ def _paged_attn_kernel(
     IEEE_DOT: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     SOFTCAP: tl.constexpr,  # 0.0: none
+    HAS_SINKS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     seq = tl.program_id(1)
@@ -177,6 +182,15 @@ def _paged_attn_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if HAS_SINKS and NUM_SPLITS == 1:  # (split: the reduction adds the sink, once)
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     st_mask = row_valid[:, None] & d_mask[None, :]
@@ -201,6 +215,7 @@ def _reduce_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,
     num_q_heads,
     stride_pt,
     stride_ph,
@@ -214,9 +229,11 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Merge the per-split partial outputs of BLOCK_H query heads of one token:
-    out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max) (empty splits: lse = -inf)."""
+    out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max) (empty splits: lse = -inf);
+    a head's sink is one more term of the denominator."""
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_q_heads
@@ -231,6 +248,9 @@ def _reduce_splits_kernel(
         other=float("-inf"),
     )  # [BLOCK_H, SPLITS_PAD]
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + offs_h, mask=h_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp2(lse - m[:, None])
     o = tl.load(
@@ -243,6 +263,8 @@ def _reduce_splits_kernel(
         other=0.0,
     )  # [BLOCK_H, SPLITS_PAD, HEAD_DIM_PAD]
     den = tl.sum(w, 1)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
     num = tl.sum(w[:, :, None] * o, 1)
     out = num / tl.where(den > 0.0, den, 1.0)[:, None]
     tl.store(
@@ -330,6 +352,7 @@ def paged_attention(
     tile_n: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged KV cache (see module docstring).
 
@@ -337,7 +360,7 @@ def paged_attention(
     batches that would not fill the GPU); an int forces that many key splits (1 = off).
     ``out``: optional preallocated ``[num_tokens, num_q_heads, head_dim]`` output.
     ``block_m`` / ``tile_n``: override the tile shapes (tests).
-    ``sliding_window`` / ``softcap``: see the module docstring (None: none).
+    ``sliding_window`` / ``softcap`` / ``sinks``: see the module docstring (None: none).
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -361,6 +384,8 @@ def paged_attention(
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     else:
         assert out.shape == (num_tokens, num_q_heads, head_dim) and out.stride(-1) == 1
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor, got {tuple(sinks.shape)}")
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -402,6 +427,7 @@ def paged_attention(
         out,
         part_out,
         part_lse,
+        sinks if sinks is not None else out,  # (unread without sinks)
         float(scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -431,6 +457,7 @@ def paged_attention(
         IEEE_DOT=q.dtype == torch.float32,
         SLIDING_WINDOW=int(sliding_window or 0),
         SOFTCAP=float(softcap or 0.0),
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -443,6 +470,7 @@ def paged_attention(
             part_out,
             part_lse,
             out,
+            sinks if sinks is not None else out,
             num_q_heads,
             part_out.stride(0),
             part_out.stride(1),
@@ -456,6 +484,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_H=block_h,
+            HAS_SINKS=sinks is not None,
             num_warps=4 if block_h * head_dim_pad >= 256 else 2,
         )
     return out

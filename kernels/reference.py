@@ -13,6 +13,8 @@ Layouts (shared with the Triton kernels and the engine):
   With a ``sliding_window`` of ``W`` it sees only the last ``W`` of those keys (key ``k`` with
   ``position - k < W``, transformers' sliding-window mask); with a ``softcap`` of ``c`` the
   scaled scores ``s`` become ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2).
+  With ``sinks`` (``[num_q_heads]``, gpt-oss) each head's softmax has one more logit in its
+  denominator, that head's sink, which has no value: the weights sum to less than one.
 
 Numerics of RMSNorm and SiLU-and-mul follow the Hugging Face Llama/Qwen modules exactly, so
 a model gives transformers' outputs through either the reference or the Triton kernel
@@ -62,6 +64,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -83,7 +86,12 @@ def paged_attention(
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, e - s, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            weights = scores.softmax(dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
     return out
 
 

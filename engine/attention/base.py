@@ -79,9 +79,12 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``) into the caches at the
         step's slots, then return each query token's causal attention over its request's
         context: ``q`` and the result are ``[num_tokens, num_q_heads, head_dim]``. With a
         ``sliding_window`` of ``W`` a query sees only the last ``W`` keys up to its own; with a
-        ``softcap`` of ``c`` the scaled scores ``s`` become ``c * tanh(s / c)`` (Gemma 2)."""
+        ``softcap`` of ``c`` the scaled scores ``s`` become ``c * tanh(s / c)`` (Gemma 2); with
+        ``sinks`` (``[num_q_heads]``, gpt-oss) each head's softmax has that head's sink as one
+        more logit in its denominator, with no value."""

@@ -9,7 +9,8 @@ with each request's own part by log-sum-exp (cascade attention).
 
 A layer with a sliding window gets its own decode plan (each request reads only the blocks its
 window reaches, masked to the window; no cascade, since the shared prefix may lie outside it); a soft cap on the
-scores (Gemma 2) replaces ``scaled_dot_product_attention`` by explicit scores for prefills.
+scores (Gemma 2) or attention sinks (gpt-oss: one more logit per head in the softmax, with no
+value; no cascade either) replace ``scaled_dot_product_attention`` by explicit scores for prefills.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ DECODE_BUCKET_GROWTH = 1.25
 # blocks), that prefix is read once for all of them instead of once per request.
 CASCADE_MIN_SHARED_TOKENS = 256
 CASCADE_MIN_DECODES = 4
+# The decode plan of full attention without the cascade (attention sinks: the shared prefix's
+# partial sums would be merged without the sink).
+NO_CASCADE = "no cascade"
 
 # A bucket of decodes: (first, end) rows, their block tables past the shared prefix, and the
 # additive mask that hides each row's padding.
@@ -40,8 +44,9 @@ class TorchAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self._slots = meta.slot_mapping.long()
-        # Per sliding window (None: full causal): the shared prefix blocks and the buckets.
-        self._plans: dict[int | None, tuple[torch.Tensor | None, list[DecodeBucket]]] = {}
+        # Per sliding window (None: full causal; ``NO_CASCADE``: full, for sinks): the shared
+        # prefix blocks and the buckets.
+        self._plans: dict[int | str | None, tuple[torch.Tensor | None, list[DecodeBucket]]] = {}
         # Per prefill chunk: (request, first query row, query tokens, context tokens).
         self._prefills: list[tuple[int, int, int, int]] = []
         start = meta.num_decodes
@@ -51,16 +56,17 @@ class TorchAttention(AttentionBackend):
             start += q_len
 
     def _decode_plan(
-        self, block_size: int, dtype: torch.dtype, window: int | None
+        self, block_size: int, dtype: torch.dtype, window: int | None, cascade: bool = True
     ) -> tuple[torch.Tensor | None, list[DecodeBucket]]:
         """Built once per step and window: the block ids all decodes share (or None), and the buckets."""
-        if window not in self._plans:
+        key = NO_CASCADE if window is None and not cascade else window  # (windows never cascade)
+        if key not in self._plans:
             meta = self.meta
             nd = meta.num_decodes
             lens = meta.seq_lens_host[:nd]
             tables = meta.block_tables[:nd]
             shared_blocks = 0
-            if window is None and nd >= CASCADE_MIN_DECODES and min(lens) > CASCADE_MIN_SHARED_TOKENS:
+            if cascade and window is None and nd >= CASCADE_MIN_DECODES and min(lens) > CASCADE_MIN_SHARED_TOKENS:
                 same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
                 # Never the block holding a request's newest token: that one is its own.
                 shared_blocks = min(int(same.sum()), (min(lens) - 1) // block_size)
@@ -94,8 +100,8 @@ class TorchAttention(AttentionBackend):
                 )
                 buckets.append((first, end, bucket_tables, mask))
                 first = end
-            self._plans[window] = (shared, buckets)
-        return self._plans[window]
+            self._plans[key] = (shared, buckets)
+        return self._plans[key]
 
     def forward(
         self,
@@ -107,6 +113,7 @@ class TorchAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -116,7 +123,7 @@ class TorchAttention(AttentionBackend):
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
         if meta.num_decodes:
-            self._decode(q, k_cache, v_cache, scale, out, group, sliding_window, softcap)
+            self._decode(q, k_cache, v_cache, scale, out, group, sliding_window, softcap, sinks)
         for b, start, q_len, seq_len in self._prefills:
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
@@ -127,7 +134,7 @@ class TorchAttention(AttentionBackend):
                 vb = reference.gather_kv(v_cache, tables, seq_len)
             kb = kb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
             vb = vb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            if seq_len == q_len and sliding_window is None and softcap is None:
+            if seq_len == q_len and sliding_window is None and softcap is None and sinks is None:
                 ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
             else:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
@@ -135,7 +142,9 @@ class TorchAttention(AttentionBackend):
                 visible = k_pos <= q_pos
                 if sliding_window is not None:
                     visible &= k_pos > q_pos - sliding_window
-                if softcap is None:
+                if sinks is not None:
+                    ob = _sink_attention(qb, kb, vb, visible, scale, sinks)
+                elif softcap is None:
                     ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
                 else:
                     ob = _softcapped_attention(qb, kb, vb, visible, scale, softcap)
@@ -152,9 +161,10 @@ class TorchAttention(AttentionBackend):
         group: int,
         window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype, window)
+        shared, buckets = self._decode_plan(k_cache.shape[1], q.dtype, window, cascade=sinks is None)
         nd = self.meta.num_decodes
         queries = q[:nd].view(nd, num_kv_heads, group, head_dim)
         prefix = (
@@ -173,6 +183,11 @@ class TorchAttention(AttentionBackend):
                 else:
                     raw = torch.bmm(queries[first:end, h], keys[:, :, h].transpose(1, 2)) * scale
                     scores = torch.tanh(raw / softcap) * softcap + bias
+                if sinks is not None:  # (never a shared prefix: see ``_decode_plan``)
+                    sink = sinks[h * group : (h + 1) * group].to(scores.dtype).view(1, group, 1).expand(n, group, 1)
+                    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+                    dest[:, h] = torch.bmm(probs, values[:, :, h])
+                    continue
                 if prefix is None:
                     dest[:, h] = torch.bmm(scores.softmax(dim=-1), values[:, :, h])
                     continue
@@ -223,3 +238,17 @@ def _softcapped_attention(
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention with a sink logit per head, as transformers' eager gpt-oss attention computes
+    it (``[1, H, q_len, D]`` in and out; ``visible`` is ``[q_len, kv_len]``; ``sinks`` ``[H]``):
+    the sink joins each row's softmax, in the scores' dtype, and is dropped after it."""
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -89,6 +89,7 @@ class TritonAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta, ops = self.meta, self._ops
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -107,6 +108,7 @@ class TritonAttention(AttentionBackend):
             num_kv_splits=self.num_kv_splits,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def decode_kv_splits(self, num_seqs: int, num_q_heads: int, k_cache: torch.Tensor, max_seq_len: int) -> int:

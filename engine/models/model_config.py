@@ -6,6 +6,7 @@ Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,12 +31,17 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Gemma4ForCausalLM": "gemma4_text",
+    "GptOssForCausalLM": "gpt_oss",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Olmo3ForCausalLM": "olmo3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+# The families whose ``attention_bias`` covers o_proj too (the others bias q/k/v only).
+_O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3", "olmo3")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -75,6 +81,14 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    # gpt-oss: a learned per-head logit in every attention softmax (``sinks``), and its
+    # experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
+    attention_sinks: bool = False
+    # SmolLM3: which layers turn their queries and keys with RoPE (None: every layer; the
+    # others are NoPE layers).
+    rope_layers: tuple[bool, ...] | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     gemma4: Gemma4Spec | None = None  # Gemma 4's per-kind KV shapes, shared KV, per-layer inputs
 
     @property
@@ -105,6 +119,9 @@ class ModelSpec:
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
         gemma = _GemmaFields.from_config(cfg) if model_type in GEMMA_MODEL_TYPES else _GemmaFields()
+        if model_type == "olmo3":  # (its sliding layers' RoPE base, as Gemma 3's, in ``local_rope_theta``)
+            local_theta, olmo3_rope = _olmo3_rope(cfg)
+            gemma = dataclasses.replace(gemma, local_rope_theta=local_theta, global_rope_config=olmo3_rope)
         theta, scaling, partial = _rope(gemma.global_rope_config if gemma.global_rope_config is not None else cfg)
         sliding, sliding_layers = _sliding_layers(cfg, model_type, int(cfg["num_hidden_layers"]))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -134,7 +151,7 @@ class ModelSpec:
             qkv_bias=model_type == "qwen2"
             or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
-            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias", False)),
+            o_bias=model_type in _O_BIAS_MODEL_TYPES and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
@@ -149,6 +166,10 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
             gemma4=g4,
+            attention_sinks=model_type == "gpt_oss",
+            rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -175,6 +196,8 @@ class ModelSpec:
             inv_freq = inv_freq / s["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, s)
+        elif kind == "yarn":
+            return _yarn_inv_freq(self.rope_theta**exponents, dim, self.rope_theta, s)
         return inv_freq, 1.0
 
 
@@ -212,6 +235,14 @@ class MoESpec:
             )
         if model_type == "glm4_moe":
             return cls._glm4_moe(cfg, layers)
+        if model_type == "gpt_oss":  # (routing and experts: ``engine.models.gpt_oss``)
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                renormalize=True,
+                sparse_layers=tuple(range(layers)),
+            )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
         # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
@@ -304,6 +335,25 @@ def _gemma3_rope(cfg: dict) -> tuple[float, dict]:
     }
 
 
+def _olmo3_rope(cfg: dict) -> tuple[float, dict]:
+    """OLMo 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
+    layers' RoPE in the spelling ``_rope`` reads. transformers 5.x writes one
+    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` for both and
+    ``rope_scaling`` for the full layers only."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local, full = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
+    else:
+        theta = cfg.get("rope_theta", 500_000.0)
+        local, full = {"rope_theta": theta}, {**(cfg.get("rope_scaling") or {}), "rope_theta": theta}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"OLMo 3 sliding layers' rope type {local['rope_type']!r} is not supported")
+    full.setdefault("rope_theta", 500_000.0)
+    # (what a YaRN factor left out is derived from)
+    lengths = {k: cfg[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if cfg.get(k)}
+    return float(local.get("rope_theta", 500_000.0)), {"rope_parameters": full, **lengths}
+
+
 def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
     """The sliding window and which layers use it (None: every layer), as transformers
     applies them for each family: Mistral, Phi-3 and Mixtral slide every layer when the config
@@ -316,11 +366,17 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
     if model_type in ("mistral", "phi3", "mixtral"):
         return int(window), None
     types = cfg.get("layer_types")
-    if model_type in GEMMA_MODEL_TYPES:
+    if model_type == "gpt_oss":  # (transformers' default: even layers slide)
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    elif model_type == "olmo3":  # (transformers' default: every 4th layer is full)
+        default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+    elif model_type in GEMMA_MODEL_TYPES:
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     elif not cfg.get("use_sliding_window"):
         return None, None
+    elif model_type == "smollm3":  # (transformers' default: the NoPE layers slide)
+        default = ["full_attention" if rope else "sliding_attention" for rope in _rope_layers(cfg)]
     elif model_type == "qwen3_moe":
         return int(window), None
     elif model_type == "qwen2_moe":
@@ -337,6 +393,19 @@ def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | 
         raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
     sliding = tuple(t == "sliding_attention" for t in types)
     return (int(window), sliding) if any(sliding) else (None, None)
+
+
+def _rope_layers(cfg: dict) -> tuple[bool, ...]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), or transformers' default from
+    ``no_rope_layer_interval`` (every n-th layer is NoPE)."""
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(bool(f) for f in flags)
 
 
 def _architecture(cfg: dict) -> str:
@@ -370,6 +439,8 @@ def _rope(cfg: dict) -> tuple[float, dict, float]:
     scaling["rope_type"] = kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if kind == "yarn":
+        _resolve_yarn(scaling, cfg)
     if kind == "longrope":
         original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if not original:
@@ -395,6 +466,50 @@ def _longrope_inv_freq(exponents: torch.Tensor, theta: float, s: dict, max_len: 
     long = max_len > s["original_max_position_embeddings"]
     ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
     return 1.0 / (ext * theta**exponents), float(s["attention_factor"])
+
+
+def _resolve_yarn(scaling: dict, cfg: dict) -> None:
+    """YaRN's factor and attention factor, resolved in place as transformers resolves them."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("yarn scaling needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = original = int(original)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    scaling["factor"] = factor = float(factor)
+    if scaling.get("attention_factor") is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling["attention_factor"] = _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: each dimension's frequency blended between the original (fast rotations) and the
+    one divided by ``factor`` (slow ones), by a linear ramp between the dimensions that turn
+    ``beta_fast`` and ``beta_slow`` times over the original context; cos/sin scaled by the
+    attention factor. ``truncate`` (default true; gpt-oss sets false) rounds the ramp's ends."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of the original frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(s["attention_factor"])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -6,10 +6,13 @@ from __future__ import annotations
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
+from engine.models.olmo3 import Olmo3ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,6 +27,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
 }
 
 

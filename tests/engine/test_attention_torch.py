@@ -67,6 +67,26 @@ def test_torch_backend_matches_the_reference(shared_tokens):
     assert used_cascade == (shared_tokens >= torch_backend.CASCADE_MIN_SHARED_TOKENS)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_sinks_match_the_reference_and_skip_the_cascade(window):
+    """gpt-oss's sinks (one more logit per head, no value) in decode buckets and prefills,
+    with decodes that share a long prefix: the cascade, which would merge the prefix's partial
+    sums without the sink, is not taken."""
+    decode_lens = sorted([320 + n for n in (3, 9, 17, 40, 41, 90)])
+    q, k, v, kc, vc, meta = _batch(320, decode_lens, prefills=[(5, 5), (7, 350)])
+    sinks = torch.randn(4) * 2.0
+    oracle_k, oracle_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, oracle_k, oracle_v, meta.slot_mapping)
+    args = (q, oracle_k, oracle_v, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.25)
+    expected = reference.paged_attention(*args, sliding_window=window, sinks=sinks)
+    assert not torch.allclose(expected, reference.paged_attention(*args, sliding_window=window))
+    backend = TorchAttention()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, kc, vc, 0.25, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert backend._plans[window if window is not None else torch_backend.NO_CASCADE][0] is None
+
+
 @pytest.mark.parametrize("shared_tokens", [0, 320])
 @pytest.mark.parametrize("window,softcap", [(8, None), (None, 1.5), (13, 2.0)])
 def test_torch_backend_window_and_softcap_match_the_reference(shared_tokens, window, softcap):

@@ -141,7 +141,9 @@ def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: 
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3"]
+)
 def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
     path = tiny_models(family)
     llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)

@@ -34,6 +34,10 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# YaRN as Qwen and DeepSeek set it (the ramp's ends rounded: ``truncate`` left at its default);
+# gpt-oss's own (``truncate: false``) is in its tiny checkpoint.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
 
 # gpt_neox, granite and cohere have no native forward pass: they run through the transformers fallback.
 @pytest.mark.parametrize(
@@ -56,6 +60,9 @@ LLAMA3_ROPE = {
         "gemma4",
         "gemma4-moe",
         "mistral-window",
+        "gpt_oss",
+        "smollm3",
+        "olmo3",
         "gpt_neox",
         "granite",
         "cohere",
@@ -74,17 +81,8 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 @pytest.mark.parametrize(
     "family",
     [
-        "llama",
-        "qwen3",
-        "phi3-longrope",
-        "mixtral",
-        "qwen3_moe",
-        "gemma2",
-        "gemma3",
-        "glm4_moe",
-        "gemma4",
-        "gpt_neox",
-        "granite",
+        *("llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "glm4_moe"),
+        *("gemma4", "gpt_oss", "olmo3", "gpt_neox", "granite"),
     ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
@@ -108,18 +106,8 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
 @pytest.mark.parametrize(
     "family",
     [
-        "llama",
-        "qwen2",
-        "phi3-longrope",
-        "qwen2_moe",
-        "gemma2",
-        "gemma3",
-        "glm4_moe",
-        "gemma4",
-        "gemma4-moe",
-        "mistral-window",
-        "gpt_neox",
-        "granite",
+        *("llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "glm4_moe", "gemma4"),
+        *("gemma4-moe", "mistral-window", "gpt_oss", "smollm3", "olmo3", "gpt_neox", "granite"),
     ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
@@ -148,6 +136,9 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gemma4",
         "gemma4-moe",
         "mistral-window",
+        "gpt_oss",
+        "smollm3",
+        "olmo3",
         "gpt_neox",
         "granite",
     ],
@@ -180,8 +171,9 @@ def test_prefix_caching_off_gives_the_same_tokens(tiny_models, hf_reference, mak
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         {"tie_word_embeddings": True, "num_kv_heads": 4},
         {"num_kv_heads": 1, "head_dim": 32},
+        {"rope_scaling": YARN_ROPE},
     ],
-    ids=["4x-config", "llama3-rope", "llama3-rope-4x-config", "linear-rope", "tied-mha", "mqa-headdim32"],
+    ids=["4x-config", "llama3-rope", "llama3-rope-4x-config", "linear-rope", "tied-mha", "mqa-headdim32", "yarn-rope"],
 )
 def test_config_variants_match_transformers(kwargs, tiny_models, hf_reference, make_llm):
     path = tiny_models("llama", **kwargs)

@@ -156,6 +156,16 @@ def test_ngram_greedy_is_exact_under_preemption(tiny_models, hf_reference, make_
     _assert_speculated(llm, outs)
 
 
+def test_ngram_greedy_is_exact_on_gpt_oss_with_chunked_prefill(tiny_models, hf_reference, make_llm):
+    """Verification rows through the sinks, the sliding layers and the experts: a proposal's
+    rows are scored like any prefill chunk's, so the tokens stay transformers' own."""
+    path = tiny_models("gpt_oss", **LOOPING)
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=24, speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS, ignore_eos=True))
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
+    _assert_speculated(llm, outs)
+
+
 def test_draft_target_as_its_own_draft_accepts_nearly_everything(tiny_models, hf_reference, make_llm):
     path = tiny_models("llama")
     spec = {"method": "draft", "model": path, "num_speculative_tokens": 3}

@@ -49,6 +49,14 @@ def ranks_of(llm: LLM) -> RankGroup:
         ("qwen3_moe", {}),
         # GLM-4.5: the float32 router whole on every rank, the ungated shared expert split too.
         ("glm4_moe", {}),
+        # gpt-oss: sinks split with their heads, interleaved gate/up columns, biased experts
+        # (the down bias added on one rank), o_proj's bias once.
+        ("gpt_oss", {}),
+        # SmolLM3: NoPE layers (sliding) among RoPE ones, biases on q/k/v/o.
+        ("smollm3", {}),
+        # OLMo 3: q/k norms over all heads (the sums of squares added over the ranks; the one
+        # KV head on both ranks), post-block norms, RoPE per layer type.
+        ("olmo3", {"num_kv_heads": 1}),
     ],
 )
 def test_two_ranks_match_one_process_and_transformers(tiny_models, hf_reference, make_llm, family, build):

@@ -141,6 +141,20 @@ def test_gemma_sliding_windows_and_soft_caps(tiny_models, hf_reference, make_llm
     assert any(c > 8 and n > 1 for s in steps for c, n, _ in s), "no chunk past the window"
 
 
+@needs_triton
+def test_gpt_oss_sinks_and_windows(tiny_models, hf_reference, make_llm, monkeypatch):
+    """gpt-oss through the kernel: every head's sink in its softmax, sliding layers (window 8)
+    beside full ones, whole and chunked prefills, decodes."""
+    path = tiny_models("gpt_oss")
+    prompts, max_tokens = PROMPTS[:4], [4, 3, 6, 8]
+    outs = _triton_llm(make_llm, path).generate(prompts, greedy(max_tokens))
+    assert_outputs_match(hf_reference(path), prompts, max_tokens, outs)
+    llm = _triton_llm(make_llm, path, max_num_batched_tokens=8, max_num_seqs=4)
+    steps = record_steps(monkeypatch, llm.engine.scheduler)
+    assert_outputs_match(hf_reference(path), prompts, max_tokens, llm.generate(prompts, greedy(max_tokens)))
+    assert any(c > 8 and n > 1 for s in steps for c, n, _ in s), "no chunk past the window"
+
+
 # --------------------------------------------------------------------------- backend vs backend
 def _batch(num_q_heads, num_kv_heads, head_dim, block_size=16, seed=0):
     """Decodes first (by context length), then a fresh prefill and a prefill over a cached

@@ -57,7 +57,7 @@ def _spill_bytes(kernel) -> int | None:
     return None
 
 
-def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softcap=0.0):
+def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softcap=0.0, sinks=False):
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     bm, tn, nw, ns = _pick_tiles(max_query_len, g_pad, d_pad, ELEM[dt])
@@ -73,6 +73,7 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         out_ptr=ptr,
         part_out_ptr=part,
         part_lse_ptr=part,
+        sinks_ptr=ptr,
         scale_log2e="fp32",
     )
     consts = dict(
@@ -88,6 +89,7 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         IEEE_DOT=dt == "fp32",
         SLIDING_WINDOW=window,  # constants of the kernel: 0 compiles the code without a window
         SOFTCAP=softcap,
+        HAS_SINKS=sinks,
     )
     strides = [n for n in _paged_attn_kernel.arg_names if n.startswith("stride_")]
     strides.remove("stride_bt")
@@ -104,6 +106,7 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         splits=splits,
         window=window,
         softcap=softcap,
+        sinks=sinks,
         config=[bm, tn, nw, ns],
         shared=k.metadata.shared,
         spill=_spill_bytes(k),
@@ -112,13 +115,14 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
 
 def others(arch):
     t = GPUTarget("cuda", arch, 32)
-    _compile(
-        _reduce_splits_kernel,
-        dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
-        dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=4),
-        t,
-        num_warps=4,
-    )
+    for sinks in (False, True):
+        _compile(
+            _reduce_splits_kernel,
+            dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*bf16"),
+            dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=4, HAS_SINKS=sinks),
+            t,
+            num_warps=4,
+        )
     _compile(
         _write_kv_cache_kernel,
         dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"),
@@ -216,6 +220,11 @@ def main():
     # Gemma 2 9B-like layers: a 4096-token window and a soft cap of 50 on the scores.
     for mql, splits in ((1, 1), (1, 8), (512, 1)):
         results.append(attention("bf16", 90, 2, 256, mql, splits, window=4096, softcap=50.0))
+    # gpt-oss's layers (64 query heads over 8 KV heads, head_dim 64): sinks, with and without
+    # its 128-token window, decode (whole and split) and prefill.
+    for mql, splits, window in ((1, 1, 0), (1, 8, 0), (512, 1, 0), (1, 1, 128), (512, 1, 128)):
+        for arch in (90, 80):
+            results.append(attention("bf16", arch, 8, 64, mql, splits, window=window, sinks=True))
     print(json.dumps(results))
 
 
