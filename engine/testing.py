@@ -16,7 +16,19 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3",
+    "deepseek_v3",
+)
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -48,6 +60,28 @@ MOE_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": False,
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # Grouped routing that bites: 4 groups of 2 experts, the tokens' experts from the best 2
+    # groups, a scaling factor far from 1, a dense first layer.
+    "deepseek_v3": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+    },
+}
+# DeepSeek-V3's multi-head latent attention, small: every rank and head width distinct, so a
+# projection split at the wrong place fails to load or changes the output.
+MLA_DEFAULTS: dict[str, int] = {
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -199,11 +233,14 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
+    if family == "deepseek_v3":  # every head its own latent projections: no GQA
+        kwargs.update(MLA_DEFAULTS, num_key_value_heads=num_heads)
     if family in GEMMA_DEFAULTS:
         kwargs.update(GEMMA_DEFAULTS[family])
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
@@ -440,6 +477,9 @@ def _normalise_config(config_path: Path, legacy: bool) -> None:
 
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, std: float) -> None:
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (zeros by default)
+            b.normal_(0.0, 0.1)
     for name, p in model.named_parameters():
         if p.dim() >= 2:
             p.normal_(0.0, std)

@@ -205,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
     supports_cuda_graphs = True
     # Where each layer's feed-forward tensors live in the checkpoint.
     mlp_prefix = "mlp."
+    # Checkpoint tensors the forward pass does not use (skipped at load).
+    ignored_tensor_prefixes: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -71,6 +72,7 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3), whose cache holds latents
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -132,6 +134,7 @@ class ModelSpec:
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
+            mla=MLASpec.from_config(cfg),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -175,6 +178,11 @@ class MoESpec:
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     fp32_weights: bool = False  # Mixtral keeps the routing weights in float32; Qwen casts them
+    # DeepSeek-V3's grouped routing: sigmoid scores plus a correction bias choose the experts
+    # from the best ``topk_group`` of ``n_group`` groups; the chosen weights are scaled.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: dict) -> MoESpec | None:
@@ -187,6 +195,20 @@ class MoESpec:
                 renormalize=True,
                 sparse_layers=tuple(range(layers)),
                 fp32_weights=True,
+            )
+        if model_type == "deepseek_v3":
+            experts, inter = int(cfg["n_routed_experts"]), int(cfg["moe_intermediate_size"])
+            return cls(
+                num_experts=experts,
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=inter,
+                renormalize=bool(cfg.get("norm_topk_prob", True)),
+                sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0), layers)) if experts else (),
+                shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                fp32_weights=True,
+                n_group=int(cfg.get("n_group") or 1),
+                topk_group=int(cfg.get("topk_group") or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
@@ -204,6 +226,53 @@ class MoESpec:
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
             if model_type == "qwen2_moe"
             else 0,
+        )
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+    ``q_lora_rank`` bottleneck; keys and values from one ``kv_lora_rank`` latent per token (what
+    the cache holds, with the ``qk_rope_head_dim`` rope key all heads share). Each head's key is
+    its ``qk_nope_head_dim`` part from the latent then the rope part; its value ``v_head_dim``.
+    ``softmax_scale``: ``qk_head_dim**-0.5``, times YaRN's ``mscale**2`` where configured."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def latent_width(self) -> int:
+        """One cached token of one layer: the latent then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> MLASpec | None:
+        if cfg.get("model_type") != "deepseek_v3":
+            return None
+        if cfg.get("attention_bias"):
+            raise ValueError("deepseek_v3 with attention_bias is not supported (no released checkpoint has it)")
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        scale = (nope + rope) ** -0.5
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind != "default" and params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+            factor = float(params["factor"])
+            mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= mscale * mscale
+        q_rank = cfg.get("q_lora_rank")
+        return cls(
+            q_lora_rank=int(q_rank) if q_rank else None,
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(cfg["v_head_dim"]),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            softmax_scale=scale,
         )
 
 

@@ -3,6 +3,7 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 
 from __future__ import annotations
 
+from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

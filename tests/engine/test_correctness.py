@@ -53,6 +53,7 @@ LLAMA3_ROPE = {
         "gemma3",
         "gemma3-tied",
         "mistral-window",
+        "deepseek_v3",
         "gpt_neox",
         "granite",
         "cohere",
@@ -69,7 +70,19 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "gpt_neox", "granite"]
+    "family",
+    [
+        "llama",
+        "qwen3",
+        "phi3-longrope",
+        "mixtral",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "deepseek_v3",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     path, kwargs = model_case(tiny_models, family)
@@ -91,7 +104,18 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "mistral-window", "gpt_neox", "granite"],
+    [
+        "llama",
+        "qwen2",
+        "phi3-longrope",
+        "qwen2_moe",
+        "gemma2",
+        "gemma3",
+        "mistral-window",
+        "deepseek_v3",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
@@ -116,6 +140,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gemma2",
         "gemma3",
         "mistral-window",
+        "deepseek_v3",
         "gpt_neox",
         "granite",
     ],

@@ -26,7 +26,18 @@ def _greedy(n, ignore_eos=True):
 # (gpt_neox and granite run through the transformers fallback)
 @pytest.mark.parametrize(
     "family",
-    ["qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "mistral-window", "gpt_neox", "granite"],
+    [
+        "qwen3",
+        "phi3-longrope",
+        "mixtral",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "mistral-window",
+        "deepseek_v3",
+        "gpt_neox",
+        "granite",
+    ],
 )
 def test_cache_hits_keep_outputs_exact(family, tiny_models, hf_reference, make_llm):
     path, kwargs = model_case(tiny_models, family)
