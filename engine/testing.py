@@ -180,6 +180,7 @@ def build_tiny_model(
     legacy_config: bool = False,
     init_std: float = 0.5,
     moe: dict | None = None,
+    mla: dict | None = None,
     sliding_window: int | None = None,
     vocab_size: int | None = None,
     rope_theta: float | None = None,
@@ -190,7 +191,8 @@ def build_tiny_model(
 
     ``legacy_config`` rewrites config.json in the transformers 4.x spelling
     (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
-    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...).
+    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...);
+    ``mla``: DeepSeek-V3's latent-attention fields over ``MLA_DEFAULTS``.
     ``sliding_window``: Mistral's window (none by default) or Gemma's (``GEMMA_DEFAULTS``); Gemma's
     layers alternate between sliding (even layers) and full attention. ``vocab_size``: the
     model's vocabulary when larger than the tokenizer's (a real model's embedding shape; the
@@ -240,7 +242,7 @@ def build_tiny_model(
     if family in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[family], **(moe or {})})
     if family == "deepseek_v3":  # every head its own latent projections: no GQA
-        kwargs.update(MLA_DEFAULTS, num_key_value_heads=num_heads)
+        kwargs.update({**MLA_DEFAULTS, **(mla or {})}, num_key_value_heads=num_heads)
     if family in GEMMA_DEFAULTS:
         kwargs.update(GEMMA_DEFAULTS[family])
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.models.yarn import yarn_inv_freq
+
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -29,7 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -156,6 +158,8 @@ class ModelSpec:
         kind = s.get("rope_type", "default")
         if kind == "longrope":
             return _longrope_inv_freq(exponents, self.rope_theta, s, max_len)
+        if kind == "yarn":
+            return yarn_inv_freq(dim, self.rope_theta, s, self.max_position_embeddings)
         inv_freq = 1.0 / (self.rope_theta**exponents)
         if kind == "linear":
             inv_freq = inv_freq / s["factor"]
@@ -397,6 +401,11 @@ def _rope(cfg: dict) -> tuple[float, dict, float]:
     scaling["rope_type"] = kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if kind == "yarn":  # (4.x configs may keep it beside max_position_embeddings)
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError("yarn scaling needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original)
     if kind == "longrope":
         original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
         if not original:

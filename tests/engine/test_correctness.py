@@ -54,6 +54,7 @@ LLAMA3_ROPE = {
         "gemma3-tied",
         "mistral-window",
         "deepseek_v3",
+        "deepseek_v3-yarn",
         "gpt_neox",
         "granite",
         "cohere",
