@@ -74,7 +74,9 @@ def test_unsupported_architectures_and_rope_are_refused(tiny_models, tmp_path):
         ModelSpec.from_dicts({**cfg, "model_type": "gpt2"})
     with pytest.raises(ValueError, match=r"architecture GemmaForCausalLM is not supported; supported: Llama.*Phi3"):
         ModelSpec.from_dicts({**cfg, "architectures": ["GemmaForCausalLM"]})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        ModelSpec.from_dicts({**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}})
+    with pytest.raises(ValueError, match="yarn scaling needs original_max_position_embeddings"):
         ModelSpec.from_dicts({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}})
     (path / "config.json").unlink()
     with pytest.raises(ValueError, match=r"has no config\.json"):
