@@ -133,3 +133,18 @@ def test_attention_bias_is_refused(tiny_models):
     cfg = json.loads((Path(tiny_models("deepseek_v3")) / "config.json").read_text())
     with pytest.raises(ValueError, match="deepseek_v3 with attention_bias is not supported"):
         ModelSpec.from_dicts({**cfg, "attention_bias": True})
+
+
+def test_ngram_speculation_verifies_through_the_latent_cache(tiny_models, hf_reference, make_llm):
+    """Proposals verified as multi-token rows over the latent cache (decompressed), rejected
+    ones rolled back: the tokens stay transformers'. (A small init makes the model repeat
+    itself, so that prompt lookup finds proposals and some are accepted.)"""
+    path = tiny_models("deepseek_v3", init_std=0.02)
+    prompts = ["Seven eight nine ten, seven eight nine ten, seven eight", "The chef will bring the soup to the table"]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_llm(path, block_size=4, speculative_config=ngram)
+    outs = llm.generate(prompts, greedy([24, 24], ignore_eos=True))
+    assert_outputs_match(hf_reference(path), prompts, [24, 24], outs)
+    stats = llm.engine.stats().spec_decode
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_proposed_tokens
+    assert_no_leaks(llm.engine)
