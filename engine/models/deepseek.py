@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``; Kimi K2 and other descendants share it), following
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM`` with ``model_type`` ``deepseek_v3``), following
 transformers' ``deepseek_v3`` modules: multi-head latent attention, dense first layers
 (``first_k_dense_replace``), then MoE layers with shared experts and grouped top-k routing.
 
