@@ -23,13 +23,13 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
 from engine.batch import LogitsOf, RowHook, build_batch
-from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_block_bytes
+from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes
 from engine.cuda_graphs import DecodeGraphs, graphs_apply
 from engine.distributed import parallel_state
 from engine.distributed.leader import start_ranks
-from engine.distributed.sharding import local_kv_heads
 from engine.distributed.step_inputs import StepInputs
 from engine.executors import Executor, choose_executor
+from engine.models.kv_layout import KVLayout
 from engine.models.llama import kernel_ops, use_kernel_ops
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
@@ -82,11 +82,13 @@ class ModelRunner:
         use_kernel_ops(self.model, kernel_ops(self.device, self.backend.name))
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
-        self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
+        # What a block holds: this rank's K/V heads, or MLA's latent (``engine.models.kv_layout``).
+        self.kv_layout = KVLayout.for_model(spec, self.tp.world_size)
+        self.num_kv_heads = self.kv_layout.heads
         self.num_blocks = self._agreed_num_blocks()
-        shape = (spec.kv_cache_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.kv_cache_layers)]
+        self.kv_cache, self.kv_caches = self.kv_layout.allocate(
+            self.num_blocks, self.block_size, self.dtype, self.device
+        )
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
         log.info(
@@ -126,7 +128,7 @@ class ModelRunner:
         if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.cache.num_kv_blocks
-        per_block = kv_block_bytes(spec.kv_cache_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
+        per_block = self.kv_layout.block_bytes(self.block_size, self.dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
-FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3")
+FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3", "deepseek_v3")
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -100,6 +100,28 @@ MOE_DEFAULTS: dict[str, dict] = {
     # gpt-oss's experts are ``intermediate_size`` wide; its window is short, its layers alternate
     # sliding and full, and its RoPE is the released models' YaRN (factor 32 over 4096 positions).
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8},
+    # Grouped routing that bites: 4 groups of 2 experts, the tokens' experts from the best 2
+    # groups, a scaling factor far from 1, a dense first layer.
+    "deepseek_v3": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+    },
+}
+# DeepSeek-V3's multi-head latent attention, small: every rank and head width distinct, so a
+# projection split at the wrong place fails to load or changes the output.
+MLA_DEFAULTS: dict[str, int] = {
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -198,6 +220,7 @@ def build_tiny_model(
     legacy_config: bool = False,
     init_std: float = 0.5,
     moe: dict | None = None,
+    mla: dict | None = None,
     sliding_window: int | None = None,
     vocab_size: int | None = None,
     rope_theta: float | None = None,
@@ -208,7 +231,8 @@ def build_tiny_model(
 
     ``legacy_config`` rewrites config.json in the transformers 4.x spelling
     (``rope_theta``/``rope_scaling``) instead of 5.x (``rope_parameters``). ``moe``: config
-    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...).
+    fields over the family's ``MOE_DEFAULTS`` (``decoder_sparse_step``, ``mlp_only_layers``...);
+    ``mla``: DeepSeek-V3's latent-attention fields over ``MLA_DEFAULTS``.
     ``sliding_window``: Mistral's window (none by default) or Gemma's (``GEMMA_DEFAULTS``); Gemma's
     layers alternate between sliding (even layers) and full attention. ``vocab_size``: the
     model's vocabulary when larger than the tokenizer's (a real model's embedding shape; the
@@ -256,11 +280,14 @@ def build_tiny_model(
         "gpt_oss": transformers.GptOssConfig,
         "smollm3": transformers.SmolLM3Config,
         "olmo3": transformers.Olmo3Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if family in MOE_DEFAULTS or moe:
         kwargs.update({**MOE_DEFAULTS.get(family, {}), **(moe or {})})
+    if family == "deepseek_v3":  # every head its own latent projections: no GQA
+        kwargs.update({**MLA_DEFAULTS, **(mla or {})}, num_key_value_heads=num_heads)
     if family in GEMMA_DEFAULTS or family in ("gpt_oss", "olmo3"):
         kwargs.update(GEMMA_DEFAULTS.get(family, {}) or OLMO3_DEFAULTS.get(family, {}))
         layers = kwargs["num_hidden_layers"]
@@ -512,8 +539,8 @@ def _randomize(model: torch.nn.Module, std: float) -> None:
         else:  # norm weights
             p.uniform_(0.6, 1.4)
     for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):  # (a learnt buffer: zero, it would choose nothing)
-            b.normal_(0.0, 0.5)
+        if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's and GLM's learnt routing bias: zero by default)
+            b.normal_(0.0, std)
         elif name.endswith("layer_scalar"):  # (Gemma 4's, saved with the weights)
             b.uniform_(0.6, 1.4)
 

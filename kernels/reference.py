@@ -140,3 +140,28 @@ def fused_moe(
         h = silu_and_mul(x[token] @ w13[expert].T) @ w2[expert].T
         per_choice[token, choice] = (h * topk_weights[token, choice].unsqueeze(-1)).to(x.dtype)
     return per_choice.sum(dim=1)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Multi-head latent attention for decode rows, in the latent space (DeepSeek-V3).
+
+    ``latent_cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim]``: each token's
+    normalised latent then its rope key. ``q [num_seqs, num_heads, kv_lora_rank + rope_dim]``:
+    each request's one query, its no-rope part already absorbed through the heads' key
+    projections (``q_nope @ W_UK``) then its rope part, so a score is one dot product with a
+    cached row. Returns ``[num_seqs, num_heads, kv_lora_rank]``: the softmax-weighted sum of the
+    latents (the caller applies each head's value projection ``W_UV``). Every cached token up to
+    ``seq_lens[b]`` is visible (the query is the newest token)."""
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        rows = gather_kv(latent_cache, block_tables[b], seq_len)[:, 0].float()  # [seq_len, width]
+        scores = (q[b].float() @ rows.T) * scale  # [heads, seq_len]
+        out[b] = (scores.softmax(dim=-1) @ rows[:, :kv_lora_rank]).to(q.dtype)
+    return out

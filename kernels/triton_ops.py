@@ -8,11 +8,13 @@ environment, or ``kernels.interpreter.enable_interpreter()``.
 
 from .fused_ops import rms_norm, silu_and_mul
 from .kv_cache_write import write_kv_cache
+from .mla_decode import mla_decode
 from .paged_attention import choose_num_kv_splits, decode_num_kv_splits, paged_attention
 
 __all__ = [
     "choose_num_kv_splits",
     "decode_num_kv_splits",
+    "mla_decode",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

@@ -63,6 +63,13 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    meta: AttentionMetadata  # the step's batch, set by ``prepare``
+
+    def mla_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """Multi-head latent attention of the step's decode rows (the first ``num_decodes``)
+        over their requests' latent caches, in the latent space: ``kernels.reference.mla_decode``
+        (the layout and the meaning), by this backend's kernel."""
+        raise NotImplementedError(f"the {self.name} attention backend has no latent-attention decode")
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

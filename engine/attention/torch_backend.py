@@ -151,6 +151,12 @@ class TorchAttention(AttentionBackend):
             out[start : start + q_len] = ob[0].transpose(0, 1)
         return out
 
+    def mla_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        nd = self.meta.num_decodes
+        return reference.mla_decode(
+            q, latent_cache, self.meta.block_tables[:nd], self.meta.seq_lens[:nd], scale, kv_lora_rank
+        )
+
     def _decode(
         self,
         q: torch.Tensor,

@@ -111,6 +111,18 @@ class TritonAttention(AttentionBackend):
             sinks=sinks,
         )
 
+    def mla_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        meta, nd = self.meta, self.meta.num_decodes
+        return self._ops.mla_decode(
+            q,
+            latent_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            scale,
+            kv_lora_rank,
+            max_seq_len=max(meta.seq_lens_host[:nd]),
+        )
+
     def decode_kv_splits(self, num_seqs: int, num_q_heads: int, k_cache: torch.Tensor, max_seq_len: int) -> int:
         """Key splits for a decode batch of ``num_seqs`` with contexts up to ``max_seq_len``
         (what a graph runner pins in ``num_kv_splits`` for a captured batch size)."""

@@ -27,28 +27,7 @@ import torch.nn.functional as F
 from engine.distributed.sharding import WeightSlot
 from engine.models.llama import MLP, DecoderLayer, _param
 from engine.models.model_config import ModelSpec, MoESpec
-from engine.models.moe import MoEForCausalLM, SparseMoE
-
-
-def grouped_sigmoid_route(
-    router_logits: torch.Tensor, score_bias: torch.Tensor, moe: MoESpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``[tokens, experts]`` router logits -> each token's top-k (float32 weights,
-    expert ids), chosen on the biased sigmoid scores within the best groups."""
-    scores = router_logits.sigmoid()
-    choice = scores + score_bias
-    tokens, experts = choice.shape
-    per_group = experts // moe.num_groups
-    group_scores = choice.view(tokens, moe.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    best_groups = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0)
-    eligible = group_mask.unsqueeze(-1).expand(-1, moe.num_groups, per_group).reshape(tokens, experts)
-    choice = choice.masked_fill(~eligible.bool(), float("-inf"))
-    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if moe.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
+from engine.models.moe import MoEForCausalLM, SparseMoE, grouped_sigmoid_route
 
 
 class Glm4MoE(SparseMoE):
@@ -91,6 +70,4 @@ class Glm4MoeForCausalLM(MoEForCausalLM):
         return DecoderLayer(self.spec, dtype, device, Glm4MoE(self.spec, moe, dtype, device))
 
     def skips_weight(self, name: str) -> bool:
-        """The multi-token-prediction layers, numbered after the decoder's own."""
-        parts = name.split(".")
-        return parts[:2] == ["model", "layers"] and int(parts[2]) >= self.spec.num_layers
+        return self.beyond_last_layer(name)

@@ -265,6 +265,12 @@ class LlamaForCausalLM(nn.Module):
         """Whether the checkpoint tensor ``name`` is one this forward pass does not use."""
         return False
 
+    def beyond_last_layer(self, name: str) -> bool:
+        """A tensor of a layer numbered after the decoder's own: the multi-token-prediction layers
+        DeepSeek-V3 and GLM-4.5 checkpoints carry (unused)."""
+        parts = name.split(".")
+        return parts[:2] == ["model", "layers"] and int(parts[2]) >= self.spec.num_layers
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Each HF tensor name -> (our tensor, row offset, rows[, the ``Shard`` of it this
         tensor-parallel rank takes]), for fused loading."""

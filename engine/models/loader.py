@@ -135,7 +135,8 @@ def load_model(
         tensor = read(shard[0] if shard else None)
         if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
-        target.data[offset : offset + rows].copy_(tensor.to(target.dtype))  # (a router kept in float32)
+        # (into the tensor's own dtype: the model's, or float32 where a layer keeps it, as DeepSeek's router)
+        target.data[offset : offset + rows].copy_(tensor.to(target.dtype))
         missing.discard(name)
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")

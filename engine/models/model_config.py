@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.models.gemma4_spec import Gemma4Spec
+from engine.models.yarn import yarn_inv_freq, yarn_mscale
 
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
@@ -34,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo3ForCausalLM": "olmo3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -89,6 +91,7 @@ class ModelSpec:
     rope_layers: tuple[bool, ...] | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3), whose cache holds latents
     gemma4: Gemma4Spec | None = None  # Gemma 4's per-kind KV shapes, shared KV, per-layer inputs
 
     @property
@@ -170,6 +173,7 @@ class ModelSpec:
             rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            mla=MLASpec.from_config(cfg),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -191,13 +195,13 @@ class ModelSpec:
         kind = s.get("rope_type", "default")
         if kind == "longrope":
             return _longrope_inv_freq(exponents, self.rope_theta, s, max_len)
+        if kind == "yarn":
+            return yarn_inv_freq(dim, self.rope_theta, s, self.max_position_embeddings)
         inv_freq = 1.0 / (self.rope_theta**exponents)
         if kind == "linear":
             inv_freq = inv_freq / s["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, s)
-        elif kind == "yarn":
-            return _yarn_inv_freq(self.rope_theta**exponents, dim, self.rope_theta, s)
         return inv_freq, 1.0
 
 
@@ -215,10 +219,11 @@ class MoESpec:
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
     fp32_weights: bool = False  # Mixtral keeps the routing weights in float32; Qwen casts them
-    # GLM-4.5 (``engine.models.glm4_moe``): sigmoid scores, experts chosen within the
-    # ``topk_groups`` best of ``num_groups`` groups, weights times ``routed_scaling_factor``.
-    num_groups: int = 1
-    topk_groups: int = 1
+    # DeepSeek-V3's and GLM-4.5's grouped routing (``moe.grouped_sigmoid_route``): sigmoid scores
+    # plus a correction bias choose the experts from the best ``topk_group`` of ``n_group``
+    # groups; the chosen weights are scaled by ``routed_scaling_factor``.
+    n_group: int = 1
+    topk_group: int = 1
     routed_scaling_factor: float = 1.0
 
     @classmethod
@@ -242,6 +247,20 @@ class MoESpec:
                 intermediate_size=int(cfg["intermediate_size"]),
                 renormalize=True,
                 sparse_layers=tuple(range(layers)),
+            )
+        if model_type == "deepseek_v3":
+            experts, inter = int(cfg["n_routed_experts"]), int(cfg["moe_intermediate_size"])
+            return cls(
+                num_experts=experts,
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=inter,
+                renormalize=bool(cfg.get("norm_topk_prob", True)),
+                sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0), layers)) if experts else (),
+                shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                fp32_weights=True,
+                n_group=int(cfg.get("n_group") or 1),
+                topk_group=int(cfg.get("topk_group") or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
@@ -274,9 +293,56 @@ class MoESpec:
             sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 1)), layers)),
             shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
             fp32_weights=True,
-            num_groups=groups,
-            topk_groups=int(cfg.get("topk_group") or 1),
+            n_group=groups,
+            topk_group=int(cfg.get("topk_group") or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+    ``q_lora_rank`` bottleneck; keys and values from one ``kv_lora_rank`` latent per token (what
+    the cache holds, with the ``qk_rope_head_dim`` rope key all heads share). Each head's key is
+    its ``qk_nope_head_dim`` part from the latent then the rope part; its value ``v_head_dim``.
+    ``softmax_scale``: ``qk_head_dim**-0.5``, times YaRN's ``mscale**2`` where configured."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def latent_width(self) -> int:
+        """One cached token of one layer: the latent then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> MLASpec | None:
+        if cfg.get("model_type") != "deepseek_v3":
+            return None
+        if cfg.get("attention_bias"):
+            raise ValueError("deepseek_v3 with attention_bias is not supported (no released checkpoint has it)")
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        scale = (nope + rope) ** -0.5
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind != "default" and params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+            factor = float(params["factor"])
+            mscale = yarn_mscale(factor, float(params["mscale_all_dim"]))
+            scale *= mscale * mscale
+        q_rank = cfg.get("q_lora_rank")
+        return cls(
+            q_lora_rank=int(q_rank) if q_rank else None,
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(cfg["v_head_dim"]),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            softmax_scale=scale,
         )
 
 
@@ -479,37 +545,9 @@ def _resolve_yarn(scaling: dict, cfg: dict) -> None:
     if scaling.get("attention_factor") is None:
         mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            scaling["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            scaling["attention_factor"] = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            scaling["attention_factor"] = _yarn_mscale(factor)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
-    """YaRN: each dimension's frequency blended between the original (fast rotations) and the
-    one divided by ``factor`` (slow ones), by a linear ramp between the dimensions that turn
-    ``beta_fast`` and ``beta_slow`` times over the original context; cos/sin scaled by the
-    attention factor. ``truncate`` (default true; gpt-oss sets false) rounds the ramp's ends."""
-    factor, original = s["factor"], s["original_max_position_embeddings"]
-    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # (transformers' guard against a zero-width ramp)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1.0 / pos_freqs
-    interpolation = 1.0 / (factor * pos_freqs)
-    keep = 1 - ramp  # the share of the original frequency
-    return interpolation * (1 - keep) + extrapolation * keep, float(s["attention_factor"])
+            scaling["attention_factor"] = yarn_mscale(factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -198,3 +198,25 @@ class MixtralForCausalLM(MoEForCausalLM):
 
     mlp_prefix = "block_sparse_moe."
     expert_names = ("w1", "w3", "w2")
+
+
+def grouped_sigmoid_route(
+    router_logits: torch.Tensor, score_bias: torch.Tensor, moe: MoESpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[tokens, experts]`` router logits -> each token's top-k (float32 weights,
+    expert ids), chosen on the biased sigmoid scores within the best groups: the router of
+    DeepSeek-V3 and GLM-4.5 (transformers' ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``)."""
+    scores = router_logits.sigmoid()
+    choice = scores + score_bias
+    tokens, experts = choice.shape
+    per_group = experts // moe.n_group
+    group_scores = choice.view(tokens, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    best_groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0)
+    eligible = group_mask.unsqueeze(-1).expand(-1, moe.n_group, per_group).reshape(tokens, experts)
+    choice = choice.masked_fill(~eligible.bool(), float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids

@@ -3,6 +3,7 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 
 from __future__ import annotations
 
+from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

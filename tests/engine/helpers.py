@@ -19,6 +19,15 @@ PHI3_LONGROPE = {
     "long_factor": [2.0 + 1.5 * i for i in range(8)],
     "original_max_position_embeddings": 128,
 }
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.5,  # (DeepSeek-V3 ships 1.0 and 1.0: an attention factor of 1)
+    "mscale_all_dim": 1.0,
+}
 # A model name the correctness tests take -> (family, build_tiny_model's kwargs, the engine's
 # kwargs). Other names are a family with its defaults. ``phi3-longrope`` keeps the engine
 # inside the original context (max_model_len 128), where transformers uses the short factors.
@@ -37,6 +46,21 @@ MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma4-moe": (
         "gemma4",
         {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}},
+        {},
+    ),
+    # DeepSeek-V3 at a smaller init for bf16: at 0.5 its grouped routing sits on knife edges, where
+    # bf16 rounding (transformers' own too) picks another expert and moves logits by ~10.
+    "deepseek_v3-bf16": ("deepseek_v3", {"init_std": 0.2}, {}),
+    # DeepSeek-V3's YaRN (factor 4 over an original context of 32: the ramp, the attention factor
+    # on cos/sin and mscale's square on the softmax scale all apply), queries without the
+    # low-rank bottleneck (q_lora_rank None: one q_proj, as DeepSeek-V2-Lite), rope not interleaved.
+    "deepseek_v3-yarn": (
+        "deepseek_v3",
+        {
+            "rope_scaling": DEEPSEEK_YARN,
+            "max_position_embeddings": 128,
+            "mla": {"q_lora_rank": None, "rope_interleave": False},
+        },
         {},
     ),
     "qwen2_moe-dense-layers": (

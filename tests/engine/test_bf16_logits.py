@@ -25,6 +25,7 @@ from engine import SamplingParams
 from engine.sampler import SamplerOutput
 from engine.testing import build_shaped_model, shaped_model_dir
 from kernels.interpreter import kernel_device
+from tests.engine.helpers import model_case
 from tests.engine.reference import oracle_model
 
 DEVICE = kernel_device()
@@ -142,10 +143,11 @@ def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: 
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3"]
+    "family",
+    ["llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3", "deepseek_v3-bf16"],
 )
 def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
-    path = tiny_models(family)
+    path, _ = model_case(tiny_models, family)
     llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)
     if ON_GPU:
         assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None

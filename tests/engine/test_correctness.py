@@ -63,6 +63,8 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddin
         "gpt_oss",
         "smollm3",
         "olmo3",
+        "deepseek_v3",
+        "deepseek_v3-yarn",
         "gpt_neox",
         "granite",
         "cohere",
@@ -82,7 +84,7 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     "family",
     [
         *("llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "glm4_moe"),
-        *("gemma4", "gpt_oss", "olmo3", "gpt_neox", "granite"),
+        *("gemma4", "gpt_oss", "olmo3", "deepseek_v3", "gpt_neox", "granite"),
     ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
@@ -107,7 +109,8 @@ def test_requests_joining_mid_flight(family, tiny_models, hf_reference):
     "family",
     [
         *("llama", "qwen2", "phi3-longrope", "qwen2_moe", "gemma2", "gemma3", "glm4_moe", "gemma4"),
-        *("gemma4-moe", "mistral-window", "gpt_oss", "smollm3", "olmo3", "gpt_neox", "granite"),
+        *("gemma4-moe", "mistral-window", "gpt_oss", "smollm3", "olmo3", "deepseek_v3", "gpt_neox"),
+        *("granite",),
     ],
 )
 def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, make_llm):
@@ -139,6 +142,7 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
         "gpt_oss",
         "smollm3",
         "olmo3",
+        "deepseek_v3",
         "gpt_neox",
         "granite",
     ],

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.glm4_moe import Glm4MoE, grouped_sigmoid_route
+from engine.models.glm4_moe import Glm4MoE
 from engine.models.model_config import ModelSpec
-from engine.models.moe import SparseMoE
+from engine.models.moe import SparseMoE, grouped_sigmoid_route
 from kernels.interpreter import kernel_device
 from tests.engine.reference import assert_outputs_match, greedy
 
@@ -54,7 +54,7 @@ def test_routing_matches_transformers_router(groups, topk_group, norm_topk_prob)
     )
     spec = ModelSpec.from_dicts({**config.to_dict(), "architectures": ["Glm4MoeForCausalLM"]})
     moe = spec.moe
-    assert moe is not None and moe.sparse_layers == (2,) and (moe.num_groups, moe.topk_groups) == (groups, topk_group)
+    assert moe is not None and moe.sparse_layers == (2,) and (moe.n_group, moe.topk_group) == (groups, topk_group)
     router = Glm4MoeTopkRouter(config)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():

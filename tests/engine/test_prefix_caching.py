@@ -28,7 +28,8 @@ def _greedy(n, ignore_eos=True):
     "family",
     [
         *("qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "glm4_moe", "gemma4"),
-        *("gemma4-moe", "mistral-window", "gpt_oss", "smollm3", "olmo3", "gpt_neox", "granite"),
+        *("gemma4-moe", "mistral-window", "gpt_oss", "smollm3", "olmo3", "deepseek_v3", "gpt_neox"),
+        *("granite",),
     ],
 )
 def test_cache_hits_keep_outputs_exact(family, tiny_models, hf_reference, make_llm):

@@ -155,6 +155,23 @@ def test_gpt_oss_sinks_and_windows(tiny_models, hf_reference, make_llm, monkeypa
     assert any(c > 8 and n > 1 for s in steps for c, n, _ in s), "no chunk past the window"
 
 
+@needs_triton
+def test_deepseek_latent_decode_through_the_kernel(tiny_models, hf_reference, make_llm, monkeypatch):
+    """DeepSeek-V3's decode rows through the Triton MLA kernel (in the latent space, over the
+    latent cache): mixed lengths, then a prompt whose prefix is cached in blocks of 4."""
+    path = tiny_models("deepseek_v3")
+    hf = hf_reference(path)
+    llm = _triton_llm(make_llm, path, block_size=4)
+    calls = spy(monkeypatch, llm.engine.runner.backend, "mla_decode")
+    prompts, max_tokens = PROMPTS[:4], [6, 3, 8, 10]
+    assert_outputs_match(hf, prompts, max_tokens, llm.generate(prompts, greedy(max_tokens)))
+    assert max(args[0].shape[0] for args, _ in calls) > 1  # batched decodes ran through the kernel
+    for suffix in (" tea", " cake"):
+        out = llm.generate([SHARED_PREFIX + suffix], greedy([5]))
+        assert_outputs_match(hf, [SHARED_PREFIX + suffix], [5], out)
+    assert out[0].num_cached_tokens > 0
+
+
 # --------------------------------------------------------------------------- backend vs backend
 def _batch(num_q_heads, num_kv_heads, head_dim, block_size=16, seed=0):
     """Decodes first (by context length), then a fresh prefill and a prefill over a cached

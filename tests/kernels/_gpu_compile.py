@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 from kernels.fused_moe import _down_weighted_kernel, _gate_up_silu_kernel, choose_tiles
 from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
 from kernels.kv_cache_write import _write_kv_cache_kernel
+from kernels.mla_decode import BLOCK_H, NUM_WARPS, TILE_N, _mla_decode_kernel
 from kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -108,6 +109,43 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         softcap=softcap,
         sinks=sinks,
         config=[bm, tn, nw, ns],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
+
+
+def mla(dt, arch, rank, rope, splits):
+    """The MLA decode kernel at a latent width (DeepSeek-V3: rank 512, rope 64)."""
+    ptr = "*" + dt
+    types = dict(
+        q_ptr=ptr,
+        cache_ptr=ptr,
+        block_tables_ptr="*i32",
+        seq_lens_ptr="*i32",
+        out_ptr="*fp32" if splits > 1 else ptr,
+        lse_ptr="*fp32",
+        scale_log2e="fp32",
+    )
+    consts = dict(
+        BLOCK_SIZE=16,
+        RANK=rank,
+        RANK_PAD=triton.next_power_of_2(rank),
+        ROPE=rope,
+        ROPE_PAD=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=BLOCK_H,
+        TILE_N=TILE_N,
+        NUM_SPLITS=splits,
+        IEEE_DOT=dt == "fp32",
+    )
+    strides = [n for n in _mla_decode_kernel.arg_names if n.startswith("stride_")]
+    k = _compile(_mla_decode_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=NUM_WARPS)
+    return dict(
+        kernel="mla_decode",
+        dtype=dt,
+        arch=arch,
+        rank=rank,
+        rope=rope,
+        splits=splits,
         shared=k.metadata.shared,
         spill=_spill_bytes(k),
     )
@@ -225,6 +263,10 @@ def main():
     for mql, splits, window in ((1, 1, 0), (1, 8, 0), (512, 1, 0), (1, 1, 128), (512, 1, 128)):
         for arch in (90, 80):
             results.append(attention("bf16", arch, 8, 64, mql, splits, window=window, sinks=True))
+    # DeepSeek-V3's latent attention (rank 512, rope 64), whole and with split keys.
+    for dt, splits in (("bf16", 1), ("bf16", 4), ("fp16", 1)):
+        for arch in (90, 80):
+            results.append(mla(dt, arch, 512, 64, splits))
     print(json.dumps(results))
 
 

@@ -37,6 +37,12 @@ def test_kernels_compile_for_gpu_without_spills():
         assert r["shared"] <= 100 * 1024, r  # fits sm_86/sm_89 (and everything larger)
         if r["spill"] is not None:
             assert r["spill"] == 0, f"register spills: {r}"
+    latent = [r for r in results if r["kernel"] == "mla_decode"]
+    assert {r["arch"] for r in latent} == {90, 80} and any(r["splits"] > 1 for r in latent)
+    for r in latent:
+        assert r["shared"] <= 100 * 1024, r
+        if r["spill"] is not None:
+            assert r["spill"] == 0, f"register spills: {r}"
     moe = [r for r in results if r["kernel"].startswith("fused_moe/")]
     assert {r["config"][0] for r in moe} == {16, 64}  # decode and prefill tiles both compiled
     for r in moe:
