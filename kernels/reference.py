@@ -132,3 +132,17 @@ def fused_moe(
         h = silu_and_mul(x[token] @ w13[expert].T) @ w2[expert].T
         per_choice[token, choice] = (h * topk_weights[token, choice].unsqueeze(-1)).to(x.dtype)
     return per_choice.sum(dim=1)
+
+
+def w4a16_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for the int4 weight of ``kernels.quant_gemm``'s layout: ``qweight``
+    [N, K/8] int32 (eight inputs a word, lowest bits first), ``W[n, k] = (q[n, k] -
+    zeros[n, k // group_size]) * scales[n, k // group_size]``, dequantized in float32."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    q = ((qweight.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    zeros = zeros.to(torch.float32).repeat_interleave(group_size, dim=1)
+    scales = scales.to(torch.float32).repeat_interleave(group_size, dim=1)
+    w = (q.to(torch.float32) - zeros) * scales
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)

@@ -85,6 +85,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_triton_backend.py::test_mixed_batch_matches_transformers_and_the_torch_backend",
     "tests/engine/test_triton_backend.py::test_preemption_when_kv_cache_is_small",
     "tests/engine/test_triton_backend.py::test_prefill_over_a_cached_prefix",
+    "tests/kernels/test_quant_gemm.py::test_quant_gemm_kernels_compile_for_gpu_without_spills",
     "tests/kernels/test_fused_moe.py::test_matches_reference",
     "tests/kernels/test_paged_attention_decode.py::test_paged_attention_decode_like",
     "tests/kernels/test_paged_attention_misc.py::test_chunked_prefill_matches_full_prefill",

@@ -1,0 +1,43 @@
+"""Compile the quantized GEMM kernels to CUDA cubins without a GPU (run as a script with
+TRITON_INTERPRET=0), as ``_gpu_compile.py`` does for the others. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from triton.backends.compiler import GPUTarget
+
+from kernels.quant_gemm import _w4a16_gemm_kernel, choose_tiles
+from tests.kernels._gpu_compile import _compile, _spill_bytes
+
+
+def w4a16(dt: str, arch: int, m: int, group_size: int) -> dict:
+    bm, bn, bk, warps = choose_tiles(m, group_size)
+    types = dict(x_ptr="*" + dt, qweight_ptr="*i32", scales_ptr="*" + dt, zeros_ptr="*u8", out_ptr="*" + dt)
+    consts = dict(GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_DOT=False)
+    strides = [n for n in _w4a16_gemm_kernel.arg_names if n.startswith("stride_")] + ["K", "N"]
+    k = _compile(_w4a16_gemm_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
+    return dict(
+        kernel="w4a16_gemm",
+        dtype=dt,
+        arch=arch,
+        group_size=group_size,
+        config=[bm, bn, bk, warps],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
+
+
+if __name__ == "__main__":
+    results = [
+        w4a16(dt, arch, m, group)
+        for arch in (90, 80)
+        for dt in ("bf16", "fp16")
+        for m in (1, 256)
+        for group in (32, 128)
+    ]
+    print(json.dumps(results))
