@@ -1,9 +1,13 @@
-"""Triton GEMM over int4 weights, dequantized in the K loop (W4A16): ``x @ W.T`` with ``W``
-never materialised. One packed layout for AWQ, GPTQ and compressed-tensors int4 (each
-repacks to it): ``qweight`` [N, K/8] int32, eight consecutive inputs a word, lowest bits
-first, unsigned 0..15; ``scales`` [N, K/group] and ``zeros`` [N, K/group] (unsigned, 8 for a
-symmetric checkpoint); ``W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group]``.
-Same arithmetic as ``kernels.reference.w4a16_gemm``."""
+"""Triton GEMMs over quantized weights, dequantized tile by tile in the K loop: ``x @ W.T``
+with ``W`` never materialised. Same arithmetic as their references in ``kernels.reference``.
+
+- ``w4a16_gemm``: one packed int4 layout for AWQ, GPTQ and compressed-tensors (each repacks to
+  it): ``qweight`` [N, K/8] int32, eight consecutive inputs a word, lowest bits first, unsigned
+  0..15; ``scales`` and ``zeros`` [N, K/group] (zeros unsigned, 8 for a symmetric checkpoint);
+  ``W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group]``.
+- ``fp8_block_gemm``: e4m3 ``weight`` [N, K] times one float32 scale per ``block`` (128x128 in
+  Qwen's and DeepSeek's releases; the edge blocks short), or one scale for the tensor.
+  Activations stay in their dtype (W8A16)."""
 
 from __future__ import annotations
 
@@ -115,6 +119,134 @@ def w4a16_gemm(
         BLOCK_N=bn,
         BLOCK_K=bk,
         IEEE_DOT=x.dtype == torch.float32,
+        num_warps=warps,
+    )
+    return out
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    DECODE_E4M3: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    scale_rows = scale_ptr + (offs_n // SCALE_BLOCK_N) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+        )
+        # The launcher keeps a K tile inside one scale block.
+        scale = tl.load(scale_rows + k0 // SCALE_BLOCK_K, mask=mask_n, other=0.0)
+        if DECODE_E4M3:  # noqa: SIM108 - a constexpr branch, compiled out by Triton
+            w = _e4m3_to_float(w)
+        else:
+            w = w.to(tl.float32)
+        w = (w * scale[:, None]).to(x.dtype)
+        if IEEE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _e4m3_to_float(bits):
+    """e4m3fn bytes (as uint8) to float32 in arithmetic, for GPUs without the e4m3 type
+    (before sm_89): ``(8 + m) * 2**(e - 10)``, subnormals ``m * 2**-9``."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = (b & 0x7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+def decode_e4m3_in_kernel(device: torch.device) -> bool:
+    """Whether the GPU lacks the e4m3 type (compute capability below 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def choose_fp8_tiles(m: int, block_k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, the K tile inside one scale block."""
+    block = min(64, block_k)
+    if m <= 16:
+        return 16, 64, block, 4
+    return 64, 64, block, 8
+
+
+def fp8_block_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    decode_e4m3: bool | None = None,
+) -> torch.Tensor:
+    """``x [M, K]`` times the e4m3 ``weight [N, K]`` transposed, scaled per ``block`` (``scale``
+    [ceil(N / block[0]), ceil(K / block[1])]) or, with ``block=None``, by the one ``scale``.
+    ``decode_e4m3`` decodes the bytes in arithmetic (by default on GPUs before sm_89)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
+    if block is None:
+        assert scale.numel() == 1
+        block = (cdiv(n, 64) * 64, cdiv(k, 64) * 64)  # one block over the whole weight
+        scale = scale.reshape(1, 1)
+    assert scale.shape == (cdiv(n, block[0]), cdiv(k, block[1]))
+    assert block[1] % 16 == 0 and (block[1] <= 64 or block[1] % 64 == 0), "K tiles must not straddle scale blocks"
+    x = x.contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps = choose_fp8_tiles(m, block[1])
+    decode = decode_e4m3_in_kernel(x.device) if decode_e4m3 is None else decode_e4m3
+    _fp8_block_gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x,
+        weight.view(torch.uint8) if decode else weight,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        SCALE_BLOCK_N=block[0],
+        SCALE_BLOCK_K=block[1],
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE_DOT=x.dtype == torch.float32,
+        DECODE_E4M3=decode,
         num_warps=warps,
     )
     return out

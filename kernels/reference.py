@@ -146,3 +146,18 @@ def w4a16_gemm(
     scales = scales.to(torch.float32).repeat_interleave(group_size, dim=1)
     w = (q.to(torch.float32) - zeros) * scales
     return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def fp8_block_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``kernels.quant_gemm.fp8_block_gemm``: ``W = weight * scale``, one
+    scale per ``block`` (the edge blocks short) or, with ``block=None``, one for the tensor."""
+    w = weight.to(torch.float32)
+    if block is None:
+        w = w * scale.to(torch.float32).reshape(())
+    else:
+        n, k = w.shape
+        full = scale.to(torch.float32).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        w = w * full
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)

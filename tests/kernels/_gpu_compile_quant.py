@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from triton.backends.compiler import GPUTarget
 
-from kernels.quant_gemm import _w4a16_gemm_kernel, choose_tiles
+from kernels.quant_gemm import _fp8_block_gemm_kernel, _w4a16_gemm_kernel, choose_fp8_tiles, choose_tiles
 from tests.kernels._gpu_compile import _compile, _spill_bytes
 
 
@@ -32,6 +32,33 @@ def w4a16(dt: str, arch: int, m: int, group_size: int) -> dict:
     )
 
 
+def fp8_block(dt: str, arch: int, m: int, block: tuple[int, int]) -> dict:
+    """sm_90 reads the e4m3 type; sm_80 has none and decodes the bytes (``DECODE_E4M3``)."""
+    bm, bn, bk, warps = choose_fp8_tiles(m, block[1])
+    decode = arch < 89
+    types = dict(x_ptr="*" + dt, w_ptr="*u8" if decode else "*fp8e4nv", scale_ptr="*fp32", out_ptr="*" + dt)
+    consts = dict(
+        SCALE_BLOCK_N=block[0],
+        SCALE_BLOCK_K=block[1],
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE_DOT=False,
+        DECODE_E4M3=decode,
+    )
+    strides = [n for n in _fp8_block_gemm_kernel.arg_names if n.startswith("stride_")] + ["K", "N"]
+    k = _compile(_fp8_block_gemm_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
+    return dict(
+        kernel="fp8_block_gemm",
+        dtype=dt,
+        arch=arch,
+        block=list(block),
+        config=[bm, bn, bk, warps],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
+
+
 if __name__ == "__main__":
     results = [
         w4a16(dt, arch, m, group)
@@ -40,4 +67,5 @@ if __name__ == "__main__":
         for m in (1, 256)
         for group in (32, 128)
     ]
+    results += [fp8_block(dt, arch, m, (128, 128)) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
     print(json.dumps(results))

@@ -1,5 +1,6 @@
-"""The Triton W4A16 GEMM (int4 groups dequantized in its K loop) vs kernels.reference, and its
-compilation for sm_90 and sm_80 without register spills."""
+"""The quantized-weight Triton GEMMs vs kernels.reference: W4A16 (int4 groups dequantized in
+its K loop) and block FP8 (e4m3 read as the type, or its bytes decoded as sm_80 needs), and
+their compilation for sm_90 and sm_80 without register spills."""
 
 from __future__ import annotations
 
@@ -60,10 +61,38 @@ def test_quant_gemm_kernels_compile_for_gpu_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["arch"], r["dtype"], r["config"][0]) for r in results} >= {
-        (arch, dt, bm) for arch in (80, 90) for dt in ("bf16", "fp16") for bm in (16, 64)
+    assert {(r["kernel"], r["arch"], r["dtype"], r["config"][0]) for r in results} >= {
+        (kernel, arch, dt, bm)
+        for kernel in ("w4a16_gemm", "fp8_block_gemm")
+        for arch in (80, 90)
+        for dt in ("bf16", "fp16")
+        for bm in (16, 64)
     }
     for r in results:
         assert r["shared"] <= 100 * 1024, r
         if r["spill"] is not None:
             assert r["spill"] == 0, f"register spills: {r}"
+
+
+@pytest.mark.parametrize("decode_e4m3", [False, True], ids=["e4m3-type", "e4m3-decoded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize(
+    ("n", "k", "block"),
+    [(96, 256, (128, 128)), (72, 200, (32, 64)), (40, 96, (16, 32)), (64, 80, None)],
+    ids=["128x128-edge", "32x64-edge", "16x32", "per-tensor"],
+)
+def test_fp8_block_gemm_matches_the_reference(dtype, m, n, k, block, decode_e4m3):
+    from kernels.quant_gemm import fp8_block_gemm
+
+    g = torch.Generator().manual_seed(n + k)
+    # Subnormals, normals and the largest values (448) all appear.
+    weight = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    weight[0, :4] = torch.tensor([448.0, -448.0, 2.0**-9, -(2.0**-7)]).to(torch.float8_e4m3fn)
+    grid = (1, 1) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(grid, generator=g) * 0.01 + 0.001
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = ref.fp8_block_gemm(x, weight, scale, block)
+    got = fp8_block_gemm(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block, decode_e4m3=decode_e4m3)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
