@@ -23,7 +23,13 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
 from engine.batch import LogitsOf, RowHook, build_batch
-from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_block_bytes
+from engine.config import (
+    EngineConfig,
+    available_kv_bytes,
+    cpu_default_kv_bytes,
+    kv_block_bytes,
+    kv_cache_torch_dtype,
+)
 from engine.cuda_graphs import DecodeGraphs, graphs_apply
 from engine.distributed import parallel_state
 from engine.distributed.leader import start_ranks
@@ -78,14 +84,15 @@ class ModelRunner:
         self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
         sync(self.device)
         startup.weights += time.perf_counter() - begin
-        self.backend = create_backend(config.model.attention_backend, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.backend = create_backend(config.model.attention_backend, self.device, self.kv_dtype)
         use_kernel_ops(self.model, kernel_ops(self.device, self.backend.name))
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
         self.num_blocks = self._agreed_num_blocks()
         shape = (spec.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
@@ -126,7 +133,7 @@ class ModelRunner:
         if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.cache.num_kv_blocks
-        per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
+        per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.kv_dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.

@@ -63,6 +63,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_prefix_caching.py::TestBlockPool::runTest",
     "tests/engine/test_prefix_caching.py::test_cache_hits_keep_outputs_exact",
     "tests/engine/test_prefix_caching.py::test_eviction_under_memory_pressure_keeps_outputs_exact",
+    "tests/engine/test_fp8_kv_cache.py::test_fp8_kv_cache_logprobs_stay_within_the_bound",
     "tests/engine/test_quantized_checkpoints.py::test_quantized_llama_matches_transformers_on_the_weights_it_stores",
     "tests/engine/test_quantized_checkpoints.py::test_transformers_own_fp8_loader_reads_the_weights_we_read",
     "tests/engine/test_quantized_checkpoints.py::test_requests_joining_mid_flight",
