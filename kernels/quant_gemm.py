@@ -7,7 +7,10 @@ with ``W`` never materialised. Same arithmetic as their references in ``kernels.
   ``W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group]``.
 - ``fp8_block_gemm``: e4m3 ``weight`` [N, K] times one float32 scale per ``block`` (128x128 in
   Qwen's and DeepSeek's releases; the edge blocks short), or one scale for the tensor.
-  Activations stay in their dtype (W8A16)."""
+  Activations stay in their dtype (W8A16).
+- ``q8_0_gemm``: GGUF's Q8_0 kept quantized: per row, blocks of 32 int8 values and their fp16
+  scale (``split_q8_0`` takes llama.cpp's 34-byte blocks apart, the same bytes in two tensors);
+  ``W[n, k] = qs[n, k] * d[n, k // 32]``."""
 
 from __future__ import annotations
 
@@ -247,6 +250,102 @@ def fp8_block_gemm(
         BLOCK_K=bk,
         IEEE_DOT=x.dtype == torch.float32,
         DECODE_E4M3=decode,
+        num_warps=warps,
+    )
+    return out
+
+
+# GGUF Q8_0: 32 values a block, stored as the fp16 scale then 32 int8s.
+Q8_0_BLOCK = 32
+Q8_0_BYTES = 2 + Q8_0_BLOCK
+
+
+def split_q8_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 rows ``[N, K / 32 * 34]`` uint8 -> ``(qs [N, K] int8, d [N, K / 32] fp16)``."""
+    n, row_bytes = raw.shape
+    assert raw.dtype == torch.uint8 and row_bytes % Q8_0_BYTES == 0
+    blocks = raw.reshape(n, row_bytes // Q8_0_BYTES, Q8_0_BYTES)
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)
+    qs = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+    return qs, d
+
+
+@triton.jit
+def _q8_0_gemm_kernel(
+    x_ptr,
+    qs_ptr,
+    d_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_dn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
+        # BLOCK_K is one Q8_0 block (32 inputs): one scale per row.
+        d = tl.load(d_ptr + offs_n * stride_dn + k0 // 32, mask=mask_n, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) * d[:, None]).to(x.dtype)
+        if IEEE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def choose_q8_0_tiles(m: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``: K tiles of one Q8_0 block."""
+    return (16, 64, Q8_0_BLOCK, 4) if m <= 16 else (64, 64, Q8_0_BLOCK, 4)
+
+
+def q8_0_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` times the Q8_0 weight (``split_q8_0``'s ``qs [N, K]``, ``d [N, K / 32]``) transposed."""
+    m, k = x.shape
+    n = qs.shape[0]
+    assert qs.dtype == torch.int8 and qs.shape[1] == k and k % Q8_0_BLOCK == 0
+    assert d.shape == (n, k // Q8_0_BLOCK)
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps = choose_q8_0_tiles(m)
+    _q8_0_gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x,
+        qs,
+        d,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qs.stride(0),
+        d.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE_DOT=x.dtype == torch.float32,
         num_warps=warps,
     )
     return out

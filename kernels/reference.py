@@ -161,3 +161,9 @@ def fp8_block_gemm(
         full = scale.to(torch.float32).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
         w = w * full
     return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def q8_0_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``kernels.quant_gemm.q8_0_gemm``: ``W[n, k] = qs[n, k] * d[n, k // 32]``."""
+    w = qs.to(torch.float32) * d.to(torch.float32).repeat_interleave(32, dim=1)
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)

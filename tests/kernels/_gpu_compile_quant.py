@@ -11,7 +11,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from triton.backends.compiler import GPUTarget
 
-from kernels.quant_gemm import _fp8_block_gemm_kernel, _w4a16_gemm_kernel, choose_fp8_tiles, choose_tiles
+from kernels.quant_gemm import (
+    _fp8_block_gemm_kernel,
+    _q8_0_gemm_kernel,
+    _w4a16_gemm_kernel,
+    choose_fp8_tiles,
+    choose_q8_0_tiles,
+    choose_tiles,
+)
 from tests.kernels._gpu_compile import _compile, _spill_bytes
 
 
@@ -59,6 +66,22 @@ def fp8_block(dt: str, arch: int, m: int, block: tuple[int, int]) -> dict:
     )
 
 
+def q8_0(dt: str, arch: int, m: int) -> dict:
+    bm, bn, bk, warps = choose_q8_0_tiles(m)
+    types = dict(x_ptr="*" + dt, qs_ptr="*i8", d_ptr="*fp16", out_ptr="*" + dt)
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_DOT=False)
+    strides = [n for n in _q8_0_gemm_kernel.arg_names if n.startswith("stride_")] + ["K", "N"]
+    k = _compile(_q8_0_gemm_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
+    return dict(
+        kernel="q8_0_gemm",
+        dtype=dt,
+        arch=arch,
+        config=[bm, bn, bk, warps],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
+
+
 if __name__ == "__main__":
     results = [
         w4a16(dt, arch, m, group)
@@ -68,4 +91,5 @@ if __name__ == "__main__":
         for group in (32, 128)
     ]
     results += [fp8_block(dt, arch, m, (128, 128)) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
+    results += [q8_0(dt, arch, m) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
     print(json.dumps(results))

@@ -1,6 +1,7 @@
 """The quantized-weight Triton GEMMs vs kernels.reference: W4A16 (int4 groups dequantized in
-its K loop) and block FP8 (e4m3 read as the type, or its bytes decoded as sm_80 needs), and
-their compilation for sm_90 and sm_80 without register spills."""
+its K loop), block FP8 (e4m3 read as the type, or its bytes decoded as sm_80 needs) and GGUF
+Q8_0 (against the gguf library's dequantization), and their compilation for sm_90 and sm_80
+without register spills."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_quant_gemm_kernels_compile_for_gpu_without_spills():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["kernel"], r["arch"], r["dtype"], r["config"][0]) for r in results} >= {
         (kernel, arch, dt, bm)
-        for kernel in ("w4a16_gemm", "fp8_block_gemm")
+        for kernel in ("w4a16_gemm", "fp8_block_gemm", "q8_0_gemm")
         for arch in (80, 90)
         for dt in ("bf16", "fp16")
         for bm in (16, 64)
@@ -94,5 +95,28 @@ def test_fp8_block_gemm_matches_the_reference(dtype, m, n, k, block, decode_e4m3
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = ref.fp8_block_gemm(x, weight, scale, block)
     got = fp8_block_gemm(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block, decode_e4m3=decode_e4m3)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (80, 160)])
+def test_q8_0_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels.quant_gemm import q8_0_gemm, split_q8_0
+
+    rng = np.random.default_rng(n + k)
+    raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+    qs, d = split_q8_0(torch.from_numpy(raw))
+    # The split keeps the file's bytes: the reference over them is the library's dequantization.
+    # Small inputs: outputs of order one, within fp16's absolute tolerance (weights are N(0, 1)).
+    x = (0.25 * torch.randn(m, k, generator=torch.Generator().manual_seed(5))).to(dtype)
+    want = ref.q8_0_gemm(x, qs, d)
+    torch.testing.assert_close(want.float(), (x.float() @ dense.t()).to(dtype).float(), **TOL[dtype])
+    got = q8_0_gemm(x.to(DEVICE), qs.to(DEVICE), d.to(DEVICE))
     assert got.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
