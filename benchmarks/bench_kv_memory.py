@@ -13,6 +13,10 @@ Waste = allocated-but-unused slots / allocated slots, over the whole run. Concur
 most requests that held KV at once, against how many contiguous reservations fit in the
 same memory. Writes JSON and a PNG plot to benchmarks/results/.
 
+Then the KV cache's dtype: the same workload in bf16 on one memory budget (what
+``--kv-tokens`` bf16 tokens take), with ``kv_cache_dtype="auto"`` (bf16 K/V) and ``"fp8"``
+(e4m3): KV tokens the budget holds and the peak of requests holding KV at once.
+
     python benchmarks/bench_kv_memory.py [--requests 400] [--kv-tokens 65536]
 """
 
@@ -22,8 +26,11 @@ import argparse
 import random
 import time
 
+import torch
+
 from benchmarks.common import RESULTS, bench_model, write_results
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import kv_block_bytes
 
 
 def main() -> None:
@@ -40,43 +47,11 @@ def main() -> None:
     path = bench_model(
         "conveyor-bench-llama-small", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
     )
-    engine = LLMEngine(
-        EngineConfig(
-            str(path),
-            dtype="float32",
-            block_size=args.block_size,
-            num_kv_blocks=kv_tokens // args.block_size,
-            max_num_seqs=1024,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=False,
-        )
-    )
-    rng = random.Random(0)
-    vocab = engine.vocab_size
-    reserve_exact = {}
-    for i in range(n):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(64, 1024))]
-        max_tokens = rng.randint(10, 500)
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        reserve_exact[f"r{i}"] = len(prompt) + max_tokens
-
     bs = args.block_size
-    totals = {"paged_alloc": 0, "used": 0, "contig_max_alloc": 0, "contig_exact_alloc": 0}
-    trace = []
-    peak_running = 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        holders = [r for r in engine.scheduler.running if engine.kv.block_ids(r.request_id)]
-        used = sum(r.num_computed_tokens for r in holders)
-        paged = bs * sum(len(engine.kv.block_ids(r.request_id)) for r in holders)
-        totals["used"] += used
-        totals["paged_alloc"] += paged
-        totals["contig_max_alloc"] += args.max_model_len * len(holders)
-        totals["contig_exact_alloc"] += sum(reserve_exact[r.request_id] for r in holders)
-        peak_running = max(peak_running, len(holders))
-        trace.append((used, paged, len(holders)))
-    elapsed = time.perf_counter() - t0
+    common = dict(block_size=bs, max_num_seqs=1024, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    engine = LLMEngine(EngineConfig(str(path), dtype="float32", num_kv_blocks=kv_tokens // bs, **common))
+    reserve_exact = _add_workload(engine, n)
+    totals, trace, peak_running, elapsed = _run(engine, reserve_exact, bs, args.max_model_len)
 
     def waste(alloc_key: str) -> float:
         return 1 - totals["used"] / totals[alloc_key]
@@ -114,8 +89,64 @@ def main() -> None:
     ratio_max, ratio_exact = res["concurrency_ratio_vs_max_len"], res["concurrency_ratio_vs_exact_reservation"]
     print(f"  contiguous, max_model_len reserved   {fit_max:7d}   ratio {ratio_max:.1f}x")
     print(f"  contiguous, prompt+max_tokens (mean) {fit_exact:7d}   ratio {ratio_exact:.1f}x")
+    res["kv_cache_dtype"] = _compare_kv_dtypes(path, n, kv_tokens, common)
     write_results("kv_memory.json", res)
     _plot(trace, args.max_model_len, kv_tokens)
+
+
+def _add_workload(engine: LLMEngine, n: int) -> dict[str, int]:
+    """The mixed-length requests; each one's prompt + max_tokens by id."""
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    reserve_exact = {}
+    for i in range(n):
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(64, 1024))]
+        max_tokens = rng.randint(10, 500)
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        reserve_exact[f"r{i}"] = len(prompt) + max_tokens
+    return reserve_exact
+
+
+def _run(engine: LLMEngine, reserve_exact: dict[str, int], bs: int, max_model_len: int):
+    """Step to the end: the summed slot counts, the per-step trace, the peak of KV holders, seconds."""
+    totals = {"paged_alloc": 0, "used": 0, "contig_max_alloc": 0, "contig_exact_alloc": 0}
+    trace = []
+    peak_running = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        holders = [r for r in engine.scheduler.running if engine.kv.block_ids(r.seq_id)]
+        used = sum(r.num_computed_tokens for r in holders)
+        paged = bs * sum(len(engine.kv.block_ids(r.seq_id)) for r in holders)
+        totals["used"] += used
+        totals["paged_alloc"] += paged
+        totals["contig_max_alloc"] += max_model_len * len(holders)
+        totals["contig_exact_alloc"] += sum(reserve_exact[r.request_id] for r in holders)
+        peak_running = max(peak_running, len(holders))
+        trace.append((used, paged, len(holders)))
+    return totals, trace, peak_running, time.perf_counter() - t0
+
+
+def _compare_kv_dtypes(path, n: int, kv_tokens: int, common: dict) -> dict:
+    """bf16 K/V against FP8 K/V in one memory budget (``kv_tokens`` bf16 tokens): the tokens
+    each holds and the peak of requests holding KV at once on the workload."""
+    spec = LLMEngine(EngineConfig(str(path), dtype="bfloat16", num_kv_blocks=1, **common)).runner.model_spec
+    budget = kv_block_bytes(spec.num_layers, kv_tokens, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
+    out: dict = {"kv_cache_memory_bytes": budget, "model_dtype": "bfloat16"}
+    print(f"\nKV cache dtype, {budget / 2**20:.1f} MiB of KV, {n} mixed requests (bf16 model):")
+    for kv_dtype in ("auto", "fp8"):
+        engine = LLMEngine(
+            EngineConfig(str(path), dtype="bfloat16", kv_cache_memory_bytes=budget, kv_cache_dtype=kv_dtype, **common)
+        )
+        tokens = engine.runner.num_blocks * common["block_size"]
+        _, _, peak, seconds = _run(engine, _add_workload(engine, n), common["block_size"], common["max_model_len"])
+        name = "bf16" if kv_dtype == "auto" else "fp8"
+        out[name] = {"kv_tokens": tokens, "peak_concurrent": peak, "preemptions": engine.stats().num_preemptions}
+        print(f"  {name:5s} KV tokens {tokens:8d}   peak concurrent requests {peak:5d}   ({seconds:.0f} s)")
+    out["kv_tokens_ratio"] = out["fp8"]["kv_tokens"] / out["bf16"]["kv_tokens"]
+    out["concurrency_ratio"] = out["fp8"]["peak_concurrent"] / out["bf16"]["peak_concurrent"]
+    print(f"  fp8 / bf16: {out['kv_tokens_ratio']:.2f}x the tokens, {out['concurrency_ratio']:.2f}x the concurrency")
+    return out
 
 
 def _plot(trace, max_len: int, kv_tokens: int) -> None:

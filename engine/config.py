@@ -104,8 +104,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     # Exactly this many KV blocks, whatever the memory.
     num_kv_blocks: int | None = None
+    # The KV cache's element type: "auto" (the model's dtype) or "fp8" (e4m3 with a scale of 1:
+    # one byte an element, twice bf16's tokens in the same memory; the torch attention backend reads it).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -316,6 +321,14 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.bfloat16
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache tensors' dtype: the model's, or e4m3 for ``"fp8"``."""
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

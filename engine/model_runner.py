@@ -23,7 +23,7 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
 from engine.batch import LogitsOf, RowHook, build_batch
-from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes
+from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_cache_torch_dtype
 from engine.cuda_graphs import DecodeGraphs, graphs_apply
 from engine.distributed import parallel_state
 from engine.distributed.leader import start_ranks
@@ -78,7 +78,8 @@ class ModelRunner:
         self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
         sync(self.device)
         startup.weights += time.perf_counter() - begin
-        self.backend = create_backend(config.model.attention_backend, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.backend = create_backend(config.model.attention_backend, self.device, self.kv_dtype)
         use_kernel_ops(self.model, kernel_ops(self.device, self.backend.name))
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
@@ -87,7 +88,7 @@ class ModelRunner:
         self.num_kv_heads = self.kv_layout.heads
         self.num_blocks = self._agreed_num_blocks()
         self.kv_cache, self.kv_caches = self.kv_layout.allocate(
-            self.num_blocks, self.block_size, self.dtype, self.device
+            self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
@@ -128,7 +129,7 @@ class ModelRunner:
         if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.cache.num_kv_blocks
-        per_block = self.kv_layout.block_bytes(self.block_size, self.dtype)
+        per_block = self.kv_layout.block_bytes(self.block_size, self.kv_dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.

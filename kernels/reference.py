@@ -165,3 +165,38 @@ def mla_decode(
         scores = (q[b].float() @ rows.T) * scale  # [heads, seq_len]
         out[b] = (scores.softmax(dim=-1) @ rows[:, :kv_lora_rank]).to(q.dtype)
     return out
+
+
+def w4a16_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for the int4 weight of ``kernels.quant_gemm``'s layout: ``qweight``
+    [N, K/8] int32 (eight inputs a word, lowest bits first), ``W[n, k] = (q[n, k] -
+    zeros[n, k // group_size]) * scales[n, k // group_size]``, dequantized in float32."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    q = ((qweight.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    zeros = zeros.to(torch.float32).repeat_interleave(group_size, dim=1)
+    scales = scales.to(torch.float32).repeat_interleave(group_size, dim=1)
+    w = (q.to(torch.float32) - zeros) * scales
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def fp8_block_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``kernels.quant_gemm.fp8_block_gemm``: ``W = weight * scale``, one
+    scale per ``block`` (the edge blocks short) or, with ``block=None``, one for the tensor."""
+    w = weight.to(torch.float32)
+    if block is None:
+        w = w * scale.to(torch.float32).reshape(())
+    else:
+        n, k = w.shape
+        full = scale.to(torch.float32).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        w = w * full
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def q8_0_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``kernels.quant_gemm.q8_0_gemm``: ``W[n, k] = qs[n, k] * d[n, k // 32]``."""
+    w = qs.to(torch.float32) * d.to(torch.float32).repeat_interleave(32, dim=1)
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)

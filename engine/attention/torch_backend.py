@@ -116,10 +116,10 @@ class TorchAttention(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = self.meta
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_kv_heads = k_cache.shape[2]
         # The engine never produces negative (skipped) slots, so a plain index_copy_ will do.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slots, v)
+        _store(k_cache, self._slots, k)
+        _store(v_cache, self._slots, v)
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -127,11 +127,13 @@ class TorchAttention(AttentionBackend):
         for b, start, q_len, seq_len in self._prefills:
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if seq_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
-                kb, vb = k[start : start + q_len], v[start : start + q_len]
+                # (through the cache's dtype, as a later read would see them: a no-op unless FP8)
+                kb = k[start : start + q_len].to(k_cache.dtype).to(q.dtype)
+                vb = v[start : start + q_len].to(v_cache.dtype).to(q.dtype)
             else:
                 tables = meta.block_tables[b]
-                kb = reference.gather_kv(k_cache, tables, seq_len)
-                vb = reference.gather_kv(v_cache, tables, seq_len)
+                kb = reference.gather_kv(k_cache, tables, seq_len).to(q.dtype)
+                vb = reference.gather_kv(v_cache, tables, seq_len).to(q.dtype)
             kb = kb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
             vb = vb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
             if seq_len == q_len and sliding_window is None and softcap is None and sinks is None:
@@ -178,8 +180,8 @@ class TorchAttention(AttentionBackend):
         )
         for first, end, tables, mask in buckets:
             n = end - first
-            keys = k_cache[tables].flatten(1, 2)  # [n, L, Hkv, D]
-            values = v_cache[tables].flatten(1, 2)
+            keys = k_cache[tables].flatten(1, 2).to(q.dtype)  # [n, L, Hkv, D]
+            values = v_cache[tables].flatten(1, 2).to(q.dtype)
             dest = out[first:end].view(n, num_kv_heads, group, head_dim)
             bias = mask.unsqueeze(1).expand(n, group, mask.shape[1])
             # One KV head at a time: strided views feed bmm directly, with no transposed copies.
@@ -207,6 +209,17 @@ class TorchAttention(AttentionBackend):
                 dest[:, h] = (o_s * a + o_u * b) / (l_s * a + e_u.sum(dim=-1, keepdim=True) * b)
 
 
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """``x`` into ``cache``'s ``slots`` in the cache's dtype: an FP8 cache stores e4m3 with a
+    scale of 1 (read back in the queries' dtype), its bytes copied (no float8 ``index_copy_``
+    on CPU)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == torch.float8_e4m3fn:
+        flat.view(torch.uint8).index_copy_(0, slots, x.to(cache.dtype).view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, x.to(cache.dtype))
+
+
 def _shared_prefix_partials(
     queries: torch.Tensor,
     k_cache: torch.Tensor,
@@ -218,8 +231,8 @@ def _shared_prefix_partials(
     """Unnormalised attention of every decode query over the prefix all of them share, read
     once: (output, running max, sum of exponentials), each ``[nd, Hkv, G, ...]``."""
     nd, num_kv_heads, group, head_dim = queries.shape
-    keys = k_cache[shared_blocks].flatten(0, 1)  # [Ls, Hkv, D]
-    values = v_cache[shared_blocks].flatten(0, 1)
+    keys = k_cache[shared_blocks].flatten(0, 1).to(queries.dtype)  # [Ls, Hkv, D]
+    values = v_cache[shared_blocks].flatten(0, 1).to(queries.dtype)
     out = torch.empty_like(queries)
     maxes = queries.new_empty(nd, num_kv_heads, group, 1)
     sums = queries.new_empty(nd, num_kv_heads, group, 1)

@@ -44,6 +44,8 @@ class KVLayout:
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, list[LayerCache]]:
         """The cache tensor (zeros) and each layer's (keys, values) views of it."""
+        if self.parts == 1 and dtype.itemsize == 1:
+            raise ValueError("kv_cache_dtype 'fp8' is not supported for multi-head latent attention (DeepSeek-V3)")
         shape = (self.num_layers, self.parts, num_blocks, block_size, self.heads, self.width)
         cache = torch.zeros(shape, dtype=dtype, device=device)
         return cache, [(cache[i, 0], cache[i, self.parts - 1]) for i in range(self.num_layers)]

@@ -1,9 +1,12 @@
 """Find a checkpoint (local directory, GGUF file or hub id) and load its weights into our model:
-safetensors as they are, GGUF dequantized (``engine.models.gguf``)."""
+safetensors as they are, or dequantized from the format ``config.json``'s
+``quantization_config`` names (``engine.quantization``), GGUF dequantized (``engine.models.gguf``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ from engine.models.transformers_fallback import (
     load_transformers_model,
     resolve_model_impl,
 )
+from engine.quantization import QuantScheme, scheme_from_config
+from engine.quantization.loading import dequantized
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 # Tensors some checkpoints carry that the forward pass recomputes.
@@ -99,7 +104,23 @@ def load_spec(path: Path, model_impl: str = "auto") -> tuple[ModelSpec, str]:
             raise ValueError(f"{file.name}: a GGUF checkpoint runs natively only, not with model_impl='transformers'")
         return gguf.read_spec(file), "native"
     impl = resolve_model_impl(path, model_impl)
+    scheme = quant_scheme(path)
+    if scheme is not None and impl == "transformers":
+        raise ValueError(
+            f"{path}: a {scheme.method!r} quantized checkpoint runs natively only; "
+            "this architecture has no native forward pass"
+        )
     return (fallback_spec(path) if impl == "transformers" else ModelSpec.from_pretrained(path)), impl
+
+
+def quant_scheme(path: Path) -> QuantScheme | None:
+    """The quantization scheme ``config.json``'s ``quantization_config`` names, or ``None``;
+    ``ValueError`` for a scheme or option we cannot dequantize exactly."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # ModelSpec reports a missing or broken config.json
+    return scheme_from_config(config) if isinstance(config, dict) else None
 
 
 def load_model(
@@ -119,7 +140,8 @@ def load_model(
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{path} has no *.safetensors weights")
-        tensors = _safetensors(files)
+        scheme = quant_scheme(path)
+        tensors = _safetensors(files) if scheme is None else _dequantized_safetensors(files, scheme)
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
@@ -176,3 +198,12 @@ def _read_safetensor(f: Any, name: str, shard: Shard | None) -> torch.Tensor:
         return view[(slice(None),) * dim + (slice(start, start + size),)]
 
     return shard.read(tuple(view.get_shape()), lambda: f.get_tensor(name), part)
+
+
+def _dequantized_safetensors(files: list[Path], scheme: QuantScheme) -> Iterator[tuple[str, str, Reader]]:
+    """A quantized checkpoint's tensors through ``scheme``: the files stay open while it is
+    read, since a quantized weight's parts (scales, zeros) may sit in another file."""
+    with contextlib.ExitStack() as stack:
+        handles = {file.name: stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files}
+        sources = {name: source for source, f in handles.items() for name in f.keys()}  # noqa: SIM118
+        yield from dequantized(scheme, sources, lambda name: handles[sources[name]].get_tensor(name))

@@ -1,0 +1,144 @@
+"""``quant_method: "compressed-tensors"`` (llm-compressor's checkpoints) in two formats:
+
+- ``float-quantized``: e4m3 ``weight`` times ``weight_scale`` per tensor, per output channel or
+  per block (W8A8 FP8; the activation scales are not used: activations stay in full precision);
+- ``pack-quantized``: int4 or int8 ``weight_packed`` (int32 words, lowest bits first, stored
+  offset by ``2**(bits-1)``), times ``weight_scale`` per group of inputs or per channel, minus
+  ``weight_zero_point`` (packed along the output dim) when asymmetric; ``weight_g_idx`` maps
+  each input column to its group when the checkpoint was quantized with activation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+
+from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
+from engine.quantization.fp8 import dequantize_blocks
+from engine.quantization.packing import unpack_int32
+
+_PACKED = "pack-quantized"
+_FLOAT = "float-quantized"
+_KNOWN = (
+    "config_groups",
+    "format",
+    "ignore",
+    "quantization_status",
+    "kv_cache_scheme",
+    "sparsity_config",
+    "transform_config",
+    "global_compression_ratio",
+    "version",
+    "provider",
+)
+_WEIGHT_OPTIONS = (
+    "num_bits",
+    "type",
+    "strategy",
+    "group_size",
+    "symmetric",
+    "dynamic",
+    "actorder",
+    "block_structure",
+    "observer",
+    "observer_kwargs",
+    "scale_dtype",
+    "zp_dtype",
+)
+
+
+class CompressedTensorsScheme(QuantScheme):
+    method = "compressed-tensors"
+    unused_suffixes = (".input_scale", ".input_zero_point")
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        check_options(self.method, config, _KNOWN)
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise refuse(self.method, "quantization_status", status, "compressed")
+        for option in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if config.get(option):
+                raise refuse(self.method, option, config[option], "none")
+        groups = config.get("config_groups") or {}
+        if not groups:
+            raise ValueError(f"quantization {self.method!r}: no config_groups")
+        self.formats: set[str] = set()
+        self.packed_bits: int | None = None
+        self.block: tuple[int, int] | None = None
+        for name, group in groups.items():
+            self._read_group(name, group, group.get("format") or config.get("format"))
+
+    def _read_group(self, name: str, group: Mapping[str, Any], fmt: str | None) -> None:
+        weights = group.get("weights")
+        if not weights:
+            raise refuse(self.method, f"config_groups.{name}.weights", weights, "weight quantization")
+        check_options(f"{self.method} config_groups.{name}.weights", weights, _WEIGHT_OPTIONS)
+        if group.get("output_activations"):
+            raise refuse(self.method, f"config_groups.{name}.output_activations", "set", "none")
+        kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+        if weights.get("dynamic"):
+            raise refuse(self.method, f"config_groups.{name}.weights.dynamic", True, "static weight scales")
+        if fmt == _PACKED and kind == "int" and bits in (4, 8) and strategy in ("group", "channel"):
+            if self.packed_bits not in (None, bits):
+                raise ValueError(f"quantization {self.method!r}: packed groups of {self.packed_bits} and {bits} bits")
+            self.packed_bits = bits
+        elif fmt == _FLOAT and kind == "float" and bits == 8 and strategy in ("tensor", "channel", "block"):
+            if not weights.get("symmetric", True):
+                raise refuse(self.method, f"config_groups.{name}.weights.symmetric", False, "symmetric FP8")
+            if strategy == "block":
+                rows, cols = weights["block_structure"]
+                self.block = (int(rows), int(cols))
+        else:
+            raise ValueError(
+                f"quantization {self.method!r}: config_groups.{name} ({fmt}, {kind}{bits} {strategy}) is not "
+                f"supported: {_PACKED} int4/int8 by group or channel, {_FLOAT} fp8 by tensor, channel or block"
+            )
+        self.formats.add(fmt)
+
+    def find(self, names: Collection[str]) -> list[QuantizedTensor]:
+        found: list[QuantizedTensor] = []
+        if _PACKED in self.formats:
+            roles = {
+                "packed": ".weight_packed",
+                "scale": ".weight_scale",
+                "shape": ".weight_shape",
+                "zero_point": ".weight_zero_point",
+                "g_idx": ".weight_g_idx",
+            }
+            found += find_by_suffix(names, roles, "packed", ".weight", optional=("zero_point", "g_idx"))
+        if _FLOAT in self.formats:
+            packed = {q.name for q in found}
+            floats = find_by_suffix(names, {"weight": ".weight", "scale": ".weight_scale"}, "scale", ".weight")
+            found += [q for q in floats if q.name not in packed]
+        return found
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        scale = parts["scale"].float()
+        if "packed" not in parts:
+            weight = parts["weight"]
+            if weight.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"float-quantized weight has dtype {weight.dtype}, expected float8_e4m3fn")
+            if self.block is not None and scale.dim() == 2 and scale.shape[1] > 1:
+                return dequantize_blocks(weight.float(), scale, self.block)
+            return weight.float() * (scale.reshape(()) if scale.numel() == 1 else scale)
+        assert self.packed_bits is not None
+        bits, offset = self.packed_bits, 1 << (self.packed_bits - 1)
+        rows, cols = (int(n) for n in parts["shape"].tolist())
+        q = unpack_int32(parts["packed"], bits, dim=1)[:, :cols] - offset
+        zero = torch.zeros((), dtype=torch.int64)
+        if "zero_point" in parts:
+            zero = unpack_int32(parts["zero_point"], bits, dim=0)[:rows] - offset
+        return (q - _per_column(zero, cols, parts.get("g_idx"))) * _per_column(scale, cols, parts.get("g_idx"))
+
+
+def _per_column(value: torch.Tensor, cols: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """A per-group ``[rows, groups]`` value for each of ``cols`` input columns (groups of
+    ``cols / groups`` in order, or as ``g_idx`` maps them); a per-channel ``[rows, 1]`` one as is."""
+    if value.dim() == 0 or value.shape[-1] == 1:
+        return value
+    if g_idx is not None:
+        return value[:, g_idx.long()]
+    group_size = -(-cols // value.shape[1])
+    return value.repeat_interleave(group_size, dim=1)[:, :cols]

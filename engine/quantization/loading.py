@@ -1,0 +1,52 @@
+"""A quantized checkpoint's tensors as the unquantized model's: each quantized tensor is
+dequantized to float32 when the loader reads it, then copied into the model's weights, so the
+extra memory at any moment is one tensor's float32 copy; the model itself holds the
+dequantized weights (the memory of an unquantized model of its dtype). Under tensor
+parallelism, each rank dequantizes a tensor and keeps its shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from engine.distributed.sharding import Shard
+from engine.quantization.base import QuantScheme
+
+# Reads a checkpoint tensor, or only the given ``Shard`` of it (``engine.models.loader``).
+Reader = Callable[[Shard | None], torch.Tensor]
+# Dtypes that only ever hold quantized values: such a tensor left over has lost its scale.
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8)
+
+
+def dequantized(
+    scheme: QuantScheme, sources: dict[str, str], get: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, str, Reader]]:
+    """``(source, name, reader)`` for each tensor of the model: the checkpoint's float tensors
+    as they are, each quantized group of tensors as the one tensor it stands for.
+    ``sources`` maps every checkpoint tensor name to its file, ``get`` reads one whole."""
+    quantized = scheme.find(sources)
+    consumed = {part for q in quantized for part in q.parts.values()}
+    for q in quantized:
+        first = next(iter(q.parts.values()))
+
+        def read(shard: Shard | None, parts: Any = q.parts) -> torch.Tensor:
+            tensor = scheme.dequantize({role: get(name) for role, name in parts.items()})
+            return tensor if shard is None else shard.take(tensor)
+
+        yield sources[first], q.name, read
+    for name, source in sources.items():
+        if name in consumed or name.endswith(scheme.unused_suffixes):
+            continue
+
+        def plain(shard: Shard | None, name: str = name) -> torch.Tensor:
+            tensor = get(name)
+            if tensor.dtype in _QUANTIZED_DTYPES:
+                raise ValueError(
+                    f"{name}: a {tensor.dtype} tensor that no {scheme.method!r} quantized weight accounts for "
+                    "(its scales missing, or a layout this format does not have)"
+                )
+            return tensor if shard is None else shard.take(tensor)
+
+        yield source, name, plain

@@ -1,0 +1,194 @@
+"""Tiny quantized checkpoints written locally from a float one, each with a float twin holding
+the exact weights the format stores (its dequantization, computed here from the integers
+before they are packed, or by the compressed-tensors library), the oracle's checkpoint.
+
+Each writer quantizes the decoder layers' linear weights (``*_proj.weight``) and keeps the
+rest (embeddings, norms, the head) as they are, as llm-compressor, AutoAWQ and GPTQ do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+_LINEAR = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
+_FP8_MAX = 448.0
+# AutoAWQ's order of eight output columns inside a word.
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+# A weight -> (its tensors in the format by suffix, the float weight they store).
+Quantizer = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def write_quantized(src: str | Path, dst: Path, quantization_config: dict, quantize: Quantizer) -> tuple[Path, Path]:
+    """``dst/quantized`` and its float twin ``dst/reference``, from the checkpoint ``src``."""
+    src = Path(src)
+    quantized_dir, reference_dir = dst / "quantized", dst / "reference"
+    for d in (quantized_dir, reference_dir):
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    quantized, reference = {}, {}
+    for name, tensor in tensors.items():
+        if _LINEAR.search(name):
+            stem = name[: -len(".weight")]
+            parts, dequantized = quantize(tensor.float())
+            quantized.update({stem + suffix: part.contiguous() for suffix, part in parts.items()})
+            reference[name] = dequantized.to(tensor.dtype)
+        else:
+            quantized[name] = reference[name] = tensor
+    save_file(quantized, str(quantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, str(reference_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (quantized_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized_dir, reference_dir
+
+
+# ---- FP8 (transformers' "fp8": per block or per tensor) ------------------------------
+def fp8_block(block: tuple[int, int]) -> Quantizer:
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        rows, cols = w.shape
+        br, bc = block
+        assert rows % br == 0 and cols % bc == 0, "the test's blocks tile the weight"
+        blocks = w.reshape(rows // br, br, cols // bc, bc)
+        scale = blocks.abs().amax(dim=(1, 3)) / _FP8_MAX
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        dequantized = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+        return {".weight": q.reshape(rows, cols), ".weight_scale_inv": scale}, dequantized
+
+    return quantize
+
+
+def fp8_tensor(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    scale = w.abs().max() / _FP8_MAX
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return {".weight": q, ".weight_scale": scale.reshape(())}, q.float() * scale
+
+
+# ---- int4 with groups along the inputs: the integers AWQ and GPTQ pack ----------------
+def int4_groups(
+    w: torch.Tensor, group_size: int, sym: bool, min_zero: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, zeros, scales)``: unsigned 4-bit ``q`` [out, in], per group [out, groups]
+    (GPTQ v1 stores zeros minus one, so its zeros start at ``min_zero=1``)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group_size, group_size)
+    if sym:
+        scales = g.abs().amax(-1) / 7.5
+        zeros = torch.full_like(scales, 8, dtype=torch.int64)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = (hi - lo) / 15
+        zeros = torch.round(-lo / scales).clamp(min_zero, 15).long()
+    q = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, 15).long().reshape(rows, cols)
+    return q, zeros, scales
+
+
+def pack_words(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Along the last dim, ``32 // bits`` unsigned integers a word, the first in the lowest bits."""
+    per_word = 32 // bits
+    v = values.long().reshape(*values.shape[:-1], -1, per_word)
+    words = torch.zeros(v.shape[:-1], dtype=torch.int64)
+    for i in range(per_word):
+        words |= v[..., i] << (bits * i)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement into int32
+
+
+def awq_gemm(group_size: int) -> Quantizer:
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q, zeros, scales = int4_groups(w, group_size, sym=False)
+        qt, zt = q.t(), zeros.t()  # [in, out], [groups, out]
+        order = torch.tensor([(c // 8) * 8 + AWQ_ORDER[c % 8] for c in range(qt.shape[1])])
+        parts = {
+            ".qweight": pack_words(qt[:, order]),
+            ".qzeros": pack_words(zt[:, order]),
+            ".scales": scales.t().contiguous(),
+        }
+        dequantized = (q - zeros.repeat_interleave(group_size, 1)) * scales.repeat_interleave(group_size, 1)
+        return parts, dequantized
+
+    return quantize
+
+
+def gptq(group_size: int, sym: bool, desc_act: bool, seed: int = 0) -> Quantizer:
+    """GPTQ v1: zeros stored minus one; with ``desc_act`` the inputs' groups follow a
+    permutation (``g_idx``), as quantizing in activation order leaves them."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        cols = w.shape[1]
+        perm = torch.randperm(cols, generator=generator) if desc_act else torch.arange(cols)
+        q_perm, zeros, scales = int4_groups(w[:, perm], group_size, sym, min_zero=1)
+        q = torch.empty_like(q_perm)
+        q[:, perm] = q_perm
+        g_idx = torch.empty(cols, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(cols) // group_size).to(torch.int32)
+        parts = {
+            ".qweight": _pack_rows(q.t()),
+            ".qzeros": pack_words(zeros.t() - 1),
+            ".scales": scales.t().contiguous(),
+            ".g_idx": g_idx,
+        }
+        g = g_idx.long()
+        dequantized = (q - zeros[:, g]) * scales[:, g]
+        return parts, dequantized
+
+    return quantize
+
+
+def _pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """Packed along the first dim: GPTQ's ``qweight`` [in / 8, out]."""
+    return pack_words(values.t()).t()
+
+
+# ---- compressed-tensors, written and decompressed by the library -------------------
+def compressed_tensors(scheme_kwargs: dict, fmt: str) -> tuple[dict, Quantizer]:
+    """The ``quantization_config`` and the quantizer of one compressed-tensors scheme."""
+    from compressed_tensors.compressors import BaseCompressor  # type: ignore[import-untyped]
+    from compressed_tensors.quantization import QuantizationScheme  # type: ignore[import-untyped]
+
+    scheme = QuantizationScheme(targets=["Linear"], **scheme_kwargs)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    weights = scheme.weights
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        state = {"weight": w, **_ct_qparams(w, weights)}
+        compressed = compressor.compress(state, scheme)
+        dequantized = compressor.decompress(dict(compressed), scheme)["weight"]
+        return {"." + k: v for k, v in compressed.items()}, dequantized.float()
+
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {**scheme.model_dump(mode="json"), "format": fmt}},
+    }
+    return config, quantize
+
+
+def _ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
+    """Min-max scales (and zero points) as llm-compressor's observer computes them."""
+    from compressed_tensors.quantization.utils import calculate_qparams  # type: ignore[import-untyped]
+
+    rows, cols = w.shape
+    if args.strategy == "group":
+        g = w.reshape(rows, cols // args.group_size, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    scale, zero = calculate_qparams(lo, hi, args)
+    params = {"weight_scale": scale.float()}
+    if not args.symmetric:
+        params["weight_zero_point"] = zero
+    return params
