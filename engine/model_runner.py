@@ -37,6 +37,7 @@ from engine.prompt_logprobs import PromptLogprobsHook
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.startup import StartupTimings, sync
+from engine.state_cache import allocate_state, kv_layer_count, state_bytes_per_seq
 from engine.step_result import StepResult
 from kernels.utils import cdiv
 
@@ -83,10 +84,15 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
+        # A hybrid model keeps K/V for its full-attention layers only, and a state slot per
+        # running request (``engine.state_cache``), reserved out of the same budget.
+        self.num_kv_layers = kv_layer_count(self.model, spec.num_layers)
+        self.state_bytes = config.scheduler.max_num_seqs * state_bytes_per_seq(self.model)
         self.num_blocks = self._agreed_num_blocks()
-        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
+        shape = (self.num_kv_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_kv_layers)]
+        self.state_cache = allocate_state(self.model, config.scheduler.max_num_seqs, self.num_blocks)
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
         log.info(
@@ -126,7 +132,7 @@ class ModelRunner:
         if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.cache.num_kv_blocks
-        per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
+        per_block = kv_block_bytes(self.num_kv_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.
@@ -136,7 +142,7 @@ class ModelRunner:
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * config.logit_rows_per_seq
         )
         activation += logit_rows * spec.vocab_size * 4 * 3
-        limit = available_kv_bytes(config, self.device, activation)
+        limit = available_kv_bytes(config, self.device, activation + self.state_bytes)
         if config.cache.kv_cache_memory_bytes is not None:
             budget, self.kv_budget_source = config.cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cpu":

@@ -16,7 +16,21 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES += ("gemma2", "gemma3", "qwen3_5", "qwen3_5_moe")
+# The hybrid families' defaults: linear-attention layers with grouped value heads (4 value heads
+# per 2 query/key heads), a conv of 4 taps, partial rotary on the full-attention layers, which
+# are every fourth layer (``layer_types``), as in released checkpoints.
+HYBRID_DEFAULTS: dict[str, dict] = {
+    "qwen3_5": {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    },
+}
+HYBRID_DEFAULTS["qwen3_5_moe"] = HYBRID_DEFAULTS["qwen3_5"]
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -48,6 +62,12 @@ MOE_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": False,
     },
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "qwen3_5_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+    },
 }
 # Architectures we have no forward pass for, which the engine runs through the transformers
 # fallback (``engine.models.transformers_fallback``), each with what sets it apart from Llama
@@ -199,6 +219,8 @@ def build_tiny_model(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "qwen3_5": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
@@ -207,7 +229,12 @@ def build_tiny_model(
     if family in GEMMA_DEFAULTS:
         kwargs.update(GEMMA_DEFAULTS[family])
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if family in HYBRID_DEFAULTS:
+        kwargs.update(HYBRID_DEFAULTS[family])
+        kwargs["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+        if partial_rotary_factor is None and not rope_scaling:  # (the config's default is 0.25)
+            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "qwen3_5", "qwen3_5_moe"):
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
@@ -226,7 +253,7 @@ def build_tiny_model(
             rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
         _set_rope(config, rope_scaling)
     eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
 

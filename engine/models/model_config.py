@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.models.hybrid_config import LinearAttentionSpec
+
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,6 +28,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -71,6 +75,8 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    # Hybrid models (Qwen3.5): which layers are linear attention, and their shapes.
+    linear_attention: LinearAttentionSpec | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -132,6 +138,7 @@ class ModelSpec:
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
+            linear_attention=LinearAttentionSpec.from_config(cfg),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -187,6 +194,15 @@ class MoESpec:
                 renormalize=True,
                 sparse_layers=tuple(range(layers)),
                 fp32_weights=True,
+            )
+        if model_type == "qwen3_5_moe_text":  # every layer sparse, renormalised, a gated shared expert
+            return cls(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["moe_intermediate_size"]),
+                renormalize=True,
+                sparse_layers=tuple(range(layers)),
+                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
             )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
