@@ -151,7 +151,7 @@ def main() -> None:
         f"transformers {d['transformers_tok_s_batch1']:.0f} tok/s at batch 1 ({d['ratio_batch1']:.1f}x); "
         f"ours {d['ours_tok_s_batch8']:.0f} tok/s at batch 8"
     )
-    write_results("hybrid", results)
+    write_results("hybrid.json", results)
 
 
 if __name__ == "__main__":
