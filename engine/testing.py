@@ -427,6 +427,37 @@ def build_truncated_draft(target: str | Path, path: str | Path, num_layers: int,
     return path
 
 
+def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> Path:
+    """A multimodal Qwen3.5 checkpoint (``Qwen3_5ForConditionalGeneration``: a tiny random
+    vision tower) around the language model of the tiny text checkpoint ``text_model``, whose
+    weights and tokenizer it takes as they are."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+
+    path, text_model = Path(path), Path(text_model)
+    text_cfg = json.loads((text_model / "config.json").read_text())
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    vision.update(out_hidden_size=text_cfg["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(
+        text_config=text_cfg, vision_config=vision, tie_word_embeddings=text_cfg["tie_word_embeddings"]
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    _randomize(model, 0.5)
+    text = load_file(str(text_model / "model.safetensors"))
+    prefix = "model.language_model."
+    renamed = {(k if k == "lm_head.weight" else prefix + k[len("model.") :]): v for k, v in text.items()}
+    missing = model.load_state_dict(renamed, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in text_model.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(name, path / name.name)
+    return path
+
+
 def _layer_of(name: str) -> int:
     """The decoder layer a weight belongs to (-1: none, e.g. the embeddings)."""
     parts = name.split(".")

@@ -46,6 +46,8 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_qwen3_5.py::test_follow_ups_sharing_a_prefix_recompute_it",
     "tests/engine/test_qwen3_5.py::test_one_token_prompts_and_decodes_start_from_a_zero_state",
     "tests/engine/test_qwen3_5.py::test_speculative_decoding_is_refused_with_the_reason",
+    "tests/engine/test_qwen3_5.py::test_a_multimodal_checkpoint_runs_its_language_model",
+    "tests/engine/test_qwen3_5.py::test_the_transformers_fallback_refuses_linear_attention",
     "tests/kernels/test_gated_delta_reference.py::test_chunked_rule_matches_transformers",
     "tests/worker/entrypoints/test_run_hybrid.py::test_run_answers_with_a_tiny_qwen3_5",
     "tests/engine/test_correctness.py::test_chunked_prefill_under_a_small_token_budget",

@@ -77,3 +77,24 @@ class LinearAttentionSpec:
         conv = self.conv_dim * (self.conv_kernel - 1) * conv_elem_bytes
         recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
         return self.num_linear_layers * (conv + recurrent)
+
+
+# Multimodal Qwen3.5 checkpoints: their language model's architecture. The vision tower's
+# tensors are skipped at load (``Qwen3_5ForCausalLM.checkpoint_name``); images are not served.
+MULTIMODAL_WRAPPERS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+def language_model_config(cfg: dict) -> dict:
+    """A multimodal Qwen3.5 config (``text_config`` inside) as its language model's config;
+    any other config as it is."""
+    arch, text = MULTIMODAL_WRAPPERS.get(str(cfg.get("model_type"))), cfg.get("text_config")
+    if arch is None or not isinstance(text, dict):
+        return cfg
+    out = dict(text)
+    out["model_type"] = str(cfg["model_type"]) + "_text"
+    out["architectures"] = [arch]
+    out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    for key in ("eos_token_id", "dtype", "torch_dtype"):
+        if out.get(key) is None and cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out

@@ -123,7 +123,13 @@ def load_model(
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
-    for source, name, read in tensors:
+    # A model whose checkpoints name tensors otherwise (a multimodal wrapper's language model)
+    # maps each name to its own, or to None for a tensor it does not use.
+    rename = getattr(model, "checkpoint_name", lambda name: name)
+    for source, checkpoint_name, read in tensors:
+        name = rename(checkpoint_name)
+        if name is None:
+            continue
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.models.hybrid_config import LinearAttentionSpec
+from engine.models.hybrid_config import LinearAttentionSpec, language_model_config
 
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
 SUPPORTED_ARCHITECTURES = {
@@ -91,6 +91,7 @@ class ModelSpec:
     @classmethod
     def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
         gen = gen or {}
+        cfg = language_model_config(cfg)  # a multimodal Qwen3.5's language model
         model_type = cfg.get("model_type")
         architecture = _architecture(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:

@@ -248,6 +248,16 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         return self.norm(x)
 
     # ---- loading ------------------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A multimodal checkpoint's language-model tensor under the text model's name; None
+        for the vision tower's and the multi-token-prediction head's, which are not used."""
+        if name.startswith(("model.visual.", "mtp.")):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model.") :]
+        return name
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         spec, vocab, h = self.spec, self.vocab, self.spec.hidden_size
         slots: dict[str, WeightSlot] = {

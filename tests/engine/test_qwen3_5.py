@@ -12,6 +12,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.model_config import ModelSpec
 from engine.state_memory import HybridMemory
+from engine.testing import build_tiny_multimodal_qwen3_5
 from tests.engine.helpers import assert_chunked_prefill_steps, assert_no_leaks, model_case, record_steps
 from tests.engine.reference import assert_outputs_match, greedy
 
@@ -103,6 +104,23 @@ def test_one_token_prompts_and_decodes_start_from_a_zero_state(tiny_models, hf_r
     hf = hf_reference(path)
     for prompts in (["Warm bread and fresh fish", "Tea"], ["A", "B"]):
         assert_outputs_match(hf, prompts, [9, 9], llm.generate(prompts, greedy([9, 9])))
+
+
+def test_a_multimodal_checkpoint_runs_its_language_model(tiny_models, hf_reference, make_llm, tmp_path):
+    path, kwargs = model_case(tiny_models, "qwen3_5")
+    wrapper = str(build_tiny_multimodal_qwen3_5(tmp_path / "qwen3_5-vl", path))
+    llm = make_llm(wrapper, **kwargs)  # model_impl auto: native, the vision tower's tensors skipped
+    assert llm.engine.model_impl == "native"
+    prompts = PROMPTS[:3]
+    # transformers' Qwen3_5ForConditionalGeneration on the text alone, as the oracle
+    assert_outputs_match(hf_reference(wrapper), prompts, MAX_TOKENS[:3], llm.generate(prompts, greedy(MAX_TOKENS[:3])))
+
+
+def test_the_transformers_fallback_refuses_linear_attention(tiny_models):
+    path, kwargs = model_case(tiny_models, "qwen3_5")
+    config = EngineConfig(path, dtype="float32", device="cpu", model_impl="transformers", **kwargs)
+    with pytest.raises(ValueError, match=r"linear-attention \(hybrid\) layers are not supported by the transformers"):
+        LLMEngine(config)
 
 
 def test_speculative_decoding_is_refused_with_the_reason(tiny_models):
