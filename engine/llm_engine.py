@@ -17,7 +17,7 @@ from engine.chunk_budget import make_chunk_controller
 from engine.config import EngineConfig
 from engine.cpu_threads import apply_cpu_budget, cpu_budget
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCacheManager, window_release
+from engine.kv_cache import window_release
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from engine.outputs import RequestOutput
@@ -27,6 +27,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import load_speculator
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.startup import StartupTimings, sync
+from engine.state_memory import make_request_memory
 from engine.structured_outputs import StructuredOutputManager, check_tools
 from engine.text_checks import check_text, check_texts
 from engine.thread_tuner import ThreadTuner
@@ -107,9 +108,11 @@ class LLMEngine:
         self.speculator.attach(self.runner)
         kv_begin = time.perf_counter()
         released_beyond, margin = window_release(self.model_spec, self.model_impl, self.speculator.draft)
-        self.kv = KVCacheManager(
-            self.runner.num_blocks,
-            config.cache.block_size,
+        self.kv = make_request_memory(
+            self.runner.state_cache,
+            speculative=config.speculative is not None,
+            num_blocks=self.runner.num_blocks,
+            block_size=config.cache.block_size,
             enable_caching=config.cache.enable_prefix_caching,
             namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
             release_window=released_beyond,

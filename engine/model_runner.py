@@ -37,6 +37,7 @@ from engine.prompt_logprobs import PromptLogprobsHook
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.startup import StartupTimings, sync
+from engine.state_cache import allocate_state, state_bytes_per_seq
 from engine.step_result import StepResult
 from kernels.utils import cdiv
 
@@ -86,10 +87,14 @@ class ModelRunner:
         # What a block holds: this rank's K/V heads, or MLA's latent (``engine.models.kv_layout``).
         self.kv_layout = KVLayout.for_model(spec, self.tp.world_size)
         self.num_kv_heads = self.kv_layout.heads
+        # A hybrid model keeps K/V for its full-attention layers only (``ModelSpec.kv_cache_layers``),
+        # and a state slot per running request (``engine.state_cache``), reserved out of the same budget.
+        self.state_bytes = config.scheduler.max_num_seqs * state_bytes_per_seq(self.model)
         self.num_blocks = self._agreed_num_blocks()
         self.kv_cache, self.kv_caches = self.kv_layout.allocate(
             self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
+        self.state_cache = allocate_state(self.model, config.scheduler.max_num_seqs, self.num_blocks)
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
         log.info(
@@ -139,7 +144,7 @@ class ModelRunner:
             config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * config.logit_rows_per_seq
         )
         activation += logit_rows * spec.vocab_size * 4 * 3
-        limit = available_kv_bytes(config, self.device, activation)
+        limit = available_kv_bytes(config, self.device, activation + self.state_bytes)
         if config.cache.kv_cache_memory_bytes is not None:
             budget, self.kv_budget_source = config.cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         elif self.device.type == "cpu":

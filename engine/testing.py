@@ -18,6 +18,20 @@ import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3", "deepseek_v3")
+FAMILIES += ("qwen3_5", "qwen3_5_moe")
+# The hybrid families' defaults: linear-attention layers with grouped value heads (4 value heads
+# per 2 query/key heads), a conv of 4 taps, partial rotary on the full-attention layers, which
+# are every fourth layer (``layer_types``), as in released checkpoints.
+HYBRID_DEFAULTS: dict[str, dict] = {
+    "qwen3_5": {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    },
+}
+HYBRID_DEFAULTS["qwen3_5_moe"] = HYBRID_DEFAULTS["qwen3_5"]
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -112,6 +126,12 @@ MOE_DEFAULTS: dict[str, dict] = {
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
         "first_k_dense_replace": 1,
+    },
+    "qwen3_5_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
     },
 }
 # DeepSeek-V3's multi-head latent attention, small: every rank and head width distinct, so a
@@ -281,6 +301,8 @@ def build_tiny_model(
         "smollm3": transformers.SmolLM3Config,
         "olmo3": transformers.Olmo3Config,
         "deepseek_v3": transformers.DeepseekV3Config,
+        "qwen3_5": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
@@ -294,7 +316,13 @@ def build_tiny_model(
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if family == "gemma4":
             kwargs["vocab_size_per_layer_input"] = vocab
-    if head_dim is not None or family in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4", "gpt_oss"):
+    if family in HYBRID_DEFAULTS:
+        kwargs.update(HYBRID_DEFAULTS[family])
+        kwargs["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+        if partial_rotary_factor is None and not rope_scaling:  # (the config's default is 0.25)
+            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hd_families = ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4", "gpt_oss", "qwen3_5", "qwen3_5_moe")
+    if head_dim is not None or family in hd_families:
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
@@ -315,7 +343,7 @@ def build_tiny_model(
             rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
         _set_rope(config, rope_scaling)
     eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
 
@@ -486,6 +514,37 @@ def build_truncated_draft(target: str | Path, path: str | Path, num_layers: int,
     (path / "config.json").write_text(json.dumps(config, indent=2))
     kept = {name: tensor for name, tensor in weights.items() if _layer_of(name) < num_layers}
     save_file(kept, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> Path:
+    """A multimodal Qwen3.5 checkpoint (``Qwen3_5ForConditionalGeneration``: a tiny random
+    vision tower) around the language model of the tiny text checkpoint ``text_model``, whose
+    weights and tokenizer it takes as they are."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+
+    path, text_model = Path(path), Path(text_model)
+    text_cfg = json.loads((text_model / "config.json").read_text())
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    vision.update(out_hidden_size=text_cfg["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(
+        text_config=text_cfg, vision_config=vision, tie_word_embeddings=text_cfg["tie_word_embeddings"]
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    _randomize(model, 0.5)
+    text = load_file(str(text_model / "model.safetensors"))
+    prefix = "model.language_model."
+    renamed = {(k if k == "lm_head.weight" else prefix + k[len("model.") :]): v for k, v in text.items()}
+    missing = model.load_state_dict(renamed, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in text_model.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(name, path / name.name)
     return path
 
 

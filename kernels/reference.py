@@ -29,6 +29,12 @@ from __future__ import annotations
 
 import torch
 
+from .gated_delta import (  # noqa: F401 - a hybrid model's linear attention, re-exported
+    causal_conv1d,
+    causal_conv1d_decode,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
 from .utils import cdiv
 
 

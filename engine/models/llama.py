@@ -265,6 +265,11 @@ class LlamaForCausalLM(nn.Module):
         """Whether the checkpoint tensor ``name`` is one this forward pass does not use."""
         return False
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our name for the checkpoint tensor ``name`` (a multimodal wrapper's language model
+        names its tensors otherwise), or None for a tensor this forward pass does not use."""
+        return None if self.skips_weight(name) else name
+
     def beyond_last_layer(self, name: str) -> bool:
         """A tensor of a layer numbered after the decoder's own: the multi-token-prediction layers
         DeepSeek-V3 and GLM-4.5 checkpoints carry (unused)."""

@@ -145,8 +145,11 @@ def load_model(
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
-    for source, name, read in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or model.skips_weight(name):
+    for source, checkpoint_name, read in tensors:
+        name = model.checkpoint_name(checkpoint_name)
+        if name is None:
+            continue
+        if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.models.gemma4_spec import Gemma4Spec
+from engine.models.hybrid_config import LinearAttentionSpec, language_model_config
 from engine.models.yarn import yarn_inv_freq, yarn_mscale
 
 # Each architecture we have a forward pass for (``engine.models.registry``), and its model_type.
@@ -36,6 +37,8 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo3ForCausalLM": "olmo3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -94,10 +97,16 @@ class ModelSpec:
     mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3), whose cache holds latents
     gemma4: Gemma4Spec | None = None  # Gemma 4's per-kind KV shapes, shared KV, per-layer inputs
 
+    # Hybrid models (Qwen3.5): which layers are linear attention, and their shapes.
+    linear_attention: LinearAttentionSpec | None = None
+
     @property
     def kv_cache_layers(self) -> int:
-        """The layers that own K/V in the cache (Gemma 4's shared-KV layers own none)."""
-        return self.num_layers - (self.gemma4.num_kv_shared_layers if self.gemma4 is not None else 0)
+        """The layers that own K/V in the cache: Gemma 4's shared-KV layers and a hybrid model's
+        linear-attention layers own none."""
+        shared = self.gemma4.num_kv_shared_layers if self.gemma4 is not None else 0
+        linear = sum(self.linear_attention.linear_layers) if self.linear_attention is not None else 0
+        return self.num_layers - shared - linear
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -112,6 +121,7 @@ class ModelSpec:
     @classmethod
     def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
         gen = gen or {}
+        cfg = language_model_config(cfg)  # a multimodal Qwen3.5's language model
         model_type = cfg.get("model_type")
         architecture = _architecture(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -174,6 +184,7 @@ class ModelSpec:
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
             mla=MLASpec.from_config(cfg),
+            linear_attention=LinearAttentionSpec.from_config(cfg),
         )
 
     def layer_window(self, index: int) -> int | None:
@@ -261,6 +272,15 @@ class MoESpec:
                 n_group=int(cfg.get("n_group") or 1),
                 topk_group=int(cfg.get("topk_group") or 1),
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            )
+        if model_type == "qwen3_5_moe_text":  # every layer sparse, renormalised, a gated shared expert
+            return cls(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["moe_intermediate_size"]),
+                renormalize=True,
+                sparse_layers=tuple(range(layers)),
+                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
             )
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.models.hybrid_config import language_model_config
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelSpec
 
 ATTENTION_NAME = "conveyor_paged"
@@ -38,7 +39,7 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 def has_native(path: Path) -> bool:
     """Whether the registry has a forward pass for the checkpoint's architecture (what
     ``model_impl="auto"`` decides by)."""
-    cfg = _read_config(path)
+    cfg = language_model_config(_read_config(path))  # (a multimodal Qwen3.5 runs its language model)
     names = cfg.get("architectures") or []
     if names:
         return any(name in SUPPORTED_ARCHITECTURES for name in names)
@@ -76,6 +77,13 @@ def fallback_spec(path: Path) -> ModelSpec:
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ValueError(f"{hf_config.model_type}: encoder-decoder models are not supported")
     cfg = hf_config.get_text_config()
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        # transformers keeps a linear layer's state in its own cache, per call: not paged, not
+        # carried from one step to the next, so every step after the first would be wrong.
+        raise ValueError(
+            f"{cfg.model_type}: linear-attention (hybrid) layers are not supported by the transformers "
+            "fallback; Qwen3.5 runs natively (model_impl='native')"
+        )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, name, None) is not None:
             raise ValueError(

@@ -63,6 +63,9 @@ MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         },
         {},
     ),
+    # The hybrid families at four layers: three linear-attention layers, then a full one.
+    "qwen3_5": ("qwen3_5", {"num_layers": 4}, {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {"num_layers": 4}, {}),
     "qwen2_moe-dense-layers": (
         "qwen2_moe",
         {"num_layers": 4, "moe": {"decoder_sparse_step": 2, "mlp_only_layers": [3]}},
@@ -84,6 +87,10 @@ def assert_no_leaks(engine) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv._blocks and not engine._groups
     assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
+    state = getattr(kv, "state", None)  # a hybrid model's state slots (``engine.state_memory``)
+    if state is not None:
+        assert kv.num_free_state_slots == state.num_slots, "state slots leaked"
+        assert bool((state.slot_of_block == -1).all()), "a KV block still names a state slot"
 
 
 def spy(monkeypatch, obj: object, name: str) -> list[tuple[tuple[Any, ...], Any]]:

@@ -144,13 +144,18 @@ def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: 
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3", "deepseek_v3-bf16"],
+    [
+        *("llama", "qwen3", "gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3"),
+        *("deepseek_v3-bf16", "qwen3_5", "qwen3_5_moe"),
+    ],
 )
 def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, family):
-    path, _ = model_case(tiny_models, family)
-    llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4)
+    path, kwargs = model_case(tiny_models, family)
+    llm = make_llm(path, dtype="bfloat16", device=DEVICE, max_num_seqs=4, **kwargs)
     if ON_GPU:
-        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
+        # (hybrid models' decode is not captured in CUDA graphs yet)
+        graphs = llm.engine.runner.graphs is not None or family.startswith("qwen3_5")
+        assert llm.engine.runner.backend.name == "triton" and graphs
     tok = llm.get_tokenizer()
     prompts = [tok(prompt).input_ids for prompt in PROMPTS]
     teacher_forced_errors(path, llm, prompts, NEW_TOKENS).assert_as_close_as_transformers_own()

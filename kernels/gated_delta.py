@@ -1,0 +1,103 @@
+"""Pure-torch references of a hybrid model's linear-attention layer (Qwen3.5's gated DeltaNet):
+the causal depthwise conv1d with its carried state, and the gated delta rule in recurrent and
+chunked form. They are the CPU path and the test oracle; ``kernels.reference`` re-exports them.
+
+Layouts, per sequence (the engine loops over prefill chunks and batches decodes):
+- conv: ``x [T, C]`` new inputs, ``weight [C, K]``, ``state [C, K - 1]`` the last ``K - 1``
+  inputs before ``x`` (zeros at a sequence's start). Output ``silu(conv(x))`` ``[T, C]``.
+- delta rule: ``q, k [T, H, dk]`` (already L2-normalised and, for ``q``, scaled by
+  ``dk**-0.5``), ``v [T, H, dv]``, ``g [T, H]`` the log decay (<= 0), ``beta [T, H]``, ``state
+  [H, dk, dv]``. Per token: ``S = exp(g) S``; ``S += k (beta (v - k^T S))^T``; ``o = q^T S``.
+  Everything runs in float32 (as transformers does); the new state is returned in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The chunk length of the chunked form (transformers' and the FLA library's).
+DELTA_CHUNK = 64
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu`` of the causal depthwise convolution of ``x`` continuing after ``state``; the
+    output ``[T, C]`` (in ``x``'s dtype) and the new state (the last ``K - 1`` inputs)."""
+    k = weight.shape[1]
+    window = torch.cat((state.to(weight.dtype), x.t().to(weight.dtype)), dim=-1)  # [C, K - 1 + T]
+    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, T]
+    return F.silu(out).t().to(x.dtype), window[:, window.shape[1] - (k - 1) :]
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input per sequence: ``x [B, C]``, ``states [B, C, K - 1]``; outputs ``[B, C]``
+    and the new states."""
+    window = torch.cat((states.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)), dim=-1)  # [B, C, K]
+    out = F.conv1d(window, weight.unsqueeze(1), groups=weight.shape[0])[:, :, 0]
+    return F.silu(out).to(x.dtype), window[:, :, 1:]
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA library's and transformers')."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. Leading batch dims are allowed: ``q [..., T, H, dk]``, ``state [..., H,
+    dk, dv]``. Returns the outputs ``[..., T, H, dv]`` (float32) and the final state."""
+    s = state.float()
+    outs = []
+    for t in range(q.shape[-3]):
+        s = s * g[..., t, :].float().exp()[..., None, None]
+        k_t = k[..., t, :, :].float()
+        remembered = (s * k_t.unsqueeze(-1)).sum(dim=-2)  # k^T S: [..., H, dv]
+        delta = (v[..., t, :, :].float() - remembered) * beta[..., t, :].float().unsqueeze(-1)
+        s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((s * q[..., t, :, :].float().unsqueeze(-1)).sum(dim=-2))
+    return torch.stack(outs, dim=-3), s
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = DELTA_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result, ``chunk`` tokens at a time (one sequence: ``q [T, H, dk]``). Inside a
+    chunk the delta rule's updates are one triangular solve (the WY form: ``(I + A) U = beta V``
+    with ``A`` the strictly lower decayed ``beta k k^T``); across chunks the state is carried."""
+    length = q.shape[0]
+    pad = (-length) % chunk
+    # [H, T, d] in float32, padded to whole chunks (padding: zero keys, no decay, no update)
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().t(), (0, pad)) for x in (g, beta))
+    heads = q.shape[0]
+    n = q.shape[1] // chunk
+    q, k, v = (x.reshape(heads, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(heads, n, chunk), beta.reshape(heads, n, chunk)
+    cum = g.cumsum(dim=-1)  # log decay from the chunk's start to each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i, else 0
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal after the solve's convention
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    s = state.float()
+    out = torch.empty_like(v)
+    for c in range(n):
+        new_v = u[:, c] - w[:, c] @ s  # what the old state does not already predict
+        out[:, c] = q_decayed[:, c] @ s + scores[:, c] @ new_v
+        s = s * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ new_v
+    out = out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
+    return out, s
