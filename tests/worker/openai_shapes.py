@@ -65,7 +65,7 @@ def check_output_line(data: str, *, results: bool) -> BatchRequestOutput:
         assert response.request_id.startswith("req_")
         if results:
             assert response.status_code == 200
-            kinds = {"chat.completion": ChatCompletion, "response": Response}
+            kinds: dict[str, type[BaseModel]] = {"chat.completion": ChatCompletion, "response": Response}
             kind = kinds.get(response.body["object"], Completion)
             kind.model_validate(_echoed_first_token_filled(response.body), strict=True)
         else:
