@@ -160,6 +160,7 @@ def completion_record(
         prompt_tokens=prompt_tokens,
         cached_tokens=first.num_cached_tokens,
         completion_tokens=completion_tokens,
+        reasoning_tokens=sum(c.reasoning_tokens for c in choices),
         preemptions=sum(o.metrics.num_preemptions for o in outputs),
         queue_time=m.queue_time,
         ttft=m.time_to_first_token,

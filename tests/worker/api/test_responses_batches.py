@@ -51,6 +51,9 @@ def test_the_sdk_runs_a_responses_batch(tmp_path, reasoning_model, serve, spawn_
     assert first["usage"]["output_tokens_details"]["reasoning_tokens"] == 3 and first["model"] == MODEL
     answer = next(o for o in by_id["r1"]["output"] if o["type"] == "message")["content"][0]["text"]
     assert json.loads(answer) in ({"ok": True}, {"ok": False}) and by_id["r1"]["instructions"] == "answer in JSON"
+    # The batch's usage sums the lines' thinking.
+    thinking = sum(body["usage"]["output_tokens_details"]["reasoning_tokens"] for body in by_id.values())
+    assert batch.usage is not None and batch.usage.output_tokens_details.reasoning_tokens == thinking == 3 + 2
     errors = [check_output_line(t, results=False) for t in client.files.content(batch.error_file_id).text.splitlines()]
     assert [(e.custom_id, e.error and e.error.code) for e in errors] == [("r2", "unsupported")]
     assert errors[0].error is not None and "stateless" in (errors[0].error.message or "")
