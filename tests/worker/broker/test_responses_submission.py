@@ -39,7 +39,7 @@ def test_a_kombu_producer_submits_responses_lines(tmp_path, spawn_worker) -> Non
                        stack.values["queue_prefix"])  # fmt: skip
         end = example.wait_for_end(conn, replies, key, timeout=120)
     assert end["status"] == "completed" and end["batch"]["endpoint"] == "/v1/responses"
-    results = [json.loads(line) for line in client.results(end["job_id"])]
+    results = [json.loads(line) for line in client.result_bytes(end["job_id"])]
     assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
     for r in results:
         response = Response.model_validate(r["response"]["body"])
