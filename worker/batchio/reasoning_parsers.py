@@ -81,14 +81,12 @@ class ThinkParser(ReasoningParser):
         start, end = self.delimiters or ("", "")
         head = text.lstrip()
         if head.startswith(start):
-            head, opened_in_prompt = head[len(start) :], True
-        elif not opened_in_prompt:
-            if end not in text:
-                return ReasoningSplit(None, text)
-            head = text  # DeepSeek-R1 style: the opener was in the prompt, not repeated
-        else:
+            head = head[len(start) :]
+        elif opened_in_prompt or end in text:  # DeepSeek-R1's distills write no opener either
             head = text
-        if end not in head:
+        else:
+            return ReasoningSplit(None, text)
+        if end not in head:  # cut short while thinking
             return ReasoningSplit(head.strip("\n") or None, "")
         thought, answer = head.split(end, 1)
         return ReasoningSplit(thought.strip("\n") or None, answer.lstrip("\n"))

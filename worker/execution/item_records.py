@@ -177,7 +177,7 @@ def _split_reasoning(c: Choice, out: RequestOutput, reasoning: Reasoning) -> Cho
     split = reasoning.parser.split(c.text, opened_in_prompt=opened)
     if split.reasoning is None and split.content == c.text:
         return c
-    tokens = reasoning.reasoning_tokens(out.token_ids, split.reasoning, split.content)
+    tokens = reasoning.reasoning_tokens(out.token_ids, split.reasoning)
     return dataclasses.replace(c, text=split.content, reasoning=split.reasoning, reasoning_tokens=tokens)
 
 

@@ -64,22 +64,16 @@ class Reasoning:
             extra["skip_special_tokens"] = False
         return extra
 
-    def reasoning_tokens(self, token_ids: Sequence[int], reasoning: str | None, content: str) -> int:
+    def reasoning_tokens(self, token_ids: Sequence[int], reasoning: str | None) -> int:
         """How many of a sample's tokens were thinking: those before its closing delimiter;
         all of them when the thinking never closed."""
         if not reasoning:
             return 0
-        if not content and not self._closes(token_ids):
-            return len(token_ids)
         n = len(self.end_ids)
         for i in range(len(token_ids) - n + 1):
-            if tuple(token_ids[i : i + n]) == self.end_ids:
+            if n and tuple(token_ids[i : i + n]) == self.end_ids:
                 return i
         return len(token_ids)
-
-    def _closes(self, token_ids: Sequence[int]) -> bool:
-        n = len(self.end_ids)
-        return n > 0 and any(tuple(token_ids[i : i + n]) == self.end_ids for i in range(len(token_ids) - n + 1))
 
 
 NO_REASONING = Reasoning(ReasoningParser())
