@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.attention.triton_backend import prepare_interpreter
+from engine.chat_kwargs import check_template_kwargs
 from engine.chunk_budget import make_chunk_controller
 from engine.config import EngineConfig
 from engine.cpu_threads import apply_cpu_budget, cpu_budget
@@ -30,6 +31,7 @@ from engine.startup import StartupTimings, sync
 from engine.state_memory import make_request_memory
 from engine.structured_outputs import StructuredOutputManager, check_tools
 from engine.text_checks import check_text, check_texts
+from engine.thinking import gate_for
 from engine.thread_tuner import ThreadTuner
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,7 @@ class LLMEngine:
                         else None
                     ),
                     prompt_text=text,
-                    grammar=new_matcher(),
+                    grammar=gate_for(params, ids, new_matcher(), self._encode_delimiter),
                 )
             )
         self._groups[request_id] = children
@@ -250,10 +252,10 @@ class LLMEngine:
                 raise ValueError("a dict prompt needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
             key = keys.pop()
             tools = prompt.get("tools")
-            if tools is not None and key != "messages":
-                raise ValueError("tools go with messages (the chat template renders them)")
+            if (tools is not None or "chat_template_kwargs" in prompt) and key != "messages":
+                raise ValueError("tools and chat_template_kwargs go with messages (the chat template renders them)")
             if key == "messages":
-                text = self._apply_chat_template(prompt["messages"], tools)
+                text = self._apply_chat_template(prompt["messages"], tools, prompt.get("chat_template_kwargs"))
                 return self._encode(text, "messages", add_special_tokens=False), text
             prompt = prompt[key]
         if isinstance(prompt, str):
@@ -279,7 +281,10 @@ class LLMEngine:
             raise ValueError(f"the {field} encodes to no tokens")
         return ids
 
-    def _apply_chat_template(self, messages: Any, tools: Any = None) -> str:
+    def _encode_delimiter(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _apply_chat_template(self, messages: Any, tools: Any = None, kwargs: Any = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -294,9 +299,10 @@ class LLMEngine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         checked: list[Any] | None = check_tools(tools) if tools else None
+        extra = check_template_kwargs(kwargs)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=checked, tokenize=False, add_generation_prompt=True
+                messages, tools=checked, tokenize=False, add_generation_prompt=True, **extra
             )
         except Exception as exc:  # template errors come in many types
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc

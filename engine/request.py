@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.structured_outputs import GrammarMatcher
+    from engine.structured_outputs import Constraint
 
 
 class RequestStatus(enum.Enum):
@@ -93,7 +93,7 @@ class Request:
         generator: torch.Generator | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         prompt_text: str | None = None,
-        grammar: GrammarMatcher | None = None,
+        grammar: Constraint | None = None,
     ) -> None:
         # The engine's own id for this sequence (unique, one per sample of an ``n > 1``
         # request), and the caller's id that its outputs carry (shared by those samples).
@@ -130,7 +130,8 @@ class Request:
         self.generator = generator
         self.detokenizer = detokenizer  # None: the text is decoded once, when finished
         self.final_text: str | None = None
-        self.grammar = grammar  # the structured-output matcher, fed every kept token
+        # The structured-output matcher (or a thinking request's ``ThinkingGate``), fed every kept token.
+        self.grammar = grammar
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # One entry per prompt token as they are computed (the first token has none: None).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

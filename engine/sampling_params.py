@@ -66,6 +66,12 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's ``cache_salt``): mixed into the root of the request's block
     # hash chain, so it reuses cached blocks only of requests with the same salt (None: unsalted).
     cache_salt: str | None = None
+    # Reasoning models: the texts that open and close the thinking block (None: no thinking
+    # handling, unless a budget is set: then ("<think>", "</think>")). The structured-output
+    # grammar then constrains only what follows the block (``engine.thinking``).
+    thinking_delimiters: tuple[str, str] | list[str] | None = None
+    # At most this many thinking tokens, then the closing delimiter is forced (vLLM's name).
+    thinking_token_budget: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +108,17 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, 0, None)
+        if self.thinking_delimiters is not None:
+            pair = self.thinking_delimiters
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"thinking_delimiters must be two strings (open, close), got {pair!r}")
+            for text in pair:
+                if not isinstance(text, str) or not text or len(text) > MAX_STOP_STRING_CHARS:
+                    raise ValueError(f"thinking_delimiters must be non-empty strings, got {text!r}")
+                check_text(text, "thinking_delimiters")
+            self.thinking_delimiters = (pair[0], pair[1])
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not self.cache_salt:
                 raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")

@@ -231,11 +231,27 @@ class GrammarMatcher:
         self.num_tokens += 1
         return m.is_stopped()
 
+    def forced_token(self) -> int | None:
+        """A grammar masks through its matcher; only a ``ThinkingGate`` forces single tokens."""
+        return None
+
+
+class Constraint(Protocol):
+    """What sits in a request's grammar slot: a ``GrammarMatcher`` or an
+    ``engine.thinking.ThinkingGate`` (whose matcher is the answer's, once it began)."""
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher | None: ...
+
+    def forced_token(self) -> int | None: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
 
 class Constrained(Protocol):
     """What a batch row needs for masking (an ``engine.request.Request``)."""
 
-    grammar: GrammarMatcher | None
+    grammar: Constraint | None
 
 
 class StructuredOutputManager:
@@ -323,19 +339,25 @@ class StructuredOutputManager:
     # ---- masking --------------------------------------------------------------------------
     def apply_masks(self, logits: torch.Tensor, reqs: Sequence[Constrained]) -> torch.Tensor:
         """``logits`` with every token its request's grammar forbids at -inf (rows without a
-        grammar untouched). All constrained rows' masks are filled in one call."""
-        rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        grammar untouched). All constrained rows' masks are filled in one call. A thinking
+        request's slot masks nothing while it thinks, one token while it closes its block under
+        a spent budget, and through the answer's grammar after."""
+        slots = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        forced = [(i, t) for i, g in slots if (t := g.forced_token()) is not None]
+        if forced:
+            logits = single_token_mask(logits, [i for i, _ in forced], [t for _, t in forced])
+        rows = [(i, m) for i, g in slots if (m := g.matcher) is not None]
         if not rows:
             return logits
         words = (self.ll_tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
         row_bytes = words * 4
         if len(rows) >= PARALLEL_MASK_MIN_ROWS:
-            pairs = [(g.matcher, j) for j, (_, g) in enumerate(rows)]
+            pairs = [(m, j) for j, (_, m) in enumerate(rows)]
             self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, len(rows))
         else:
-            for j, (_, g) in enumerate(rows):
-                g.matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
+            for j, (_, m) in enumerate(rows):
+                m.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
         self.stats.masks += len(rows)
         forbidden = self._forbidden(bitmask, [i for i, _ in rows], logits.shape, logits.device)
         return logits.masked_fill(forbidden, -math.inf)
@@ -370,6 +392,18 @@ class StructuredOutputManager:
 
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
         return self._executor
+
+
+def single_token_mask(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    """``logits`` with every token but ``tokens[j]`` at -inf on row ``rows[j]``."""
+    dev = logits.device
+    rows_t = torch.tensor(rows, device=dev)
+    ids = torch.tensor(tokens, device=dev)
+    kept = logits[rows_t, ids]
+    out = logits.clone()
+    out[rows_t] = -math.inf
+    out[rows_t, ids] = kept
+    return out
 
 
 @dataclass

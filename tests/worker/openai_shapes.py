@@ -8,6 +8,7 @@ from typing import Any
 
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
 
@@ -64,7 +65,8 @@ def check_output_line(data: str, *, results: bool) -> BatchRequestOutput:
         assert response.request_id.startswith("req_")
         if results:
             assert response.status_code == 200
-            kind = ChatCompletion if response.body["object"] == "chat.completion" else Completion
+            kinds: dict[str, type[BaseModel]] = {"chat.completion": ChatCompletion, "response": Response}
+            kind = kinds.get(response.body["object"], Completion)
             kind.model_validate(_echoed_first_token_filled(response.body), strict=True)
         else:
             # A request that got an HTTP error: OpenAI's error body, typed for its status.

@@ -154,8 +154,10 @@ class BatchScanner:
 
     def _count_tokens(self, body: dict[str, Any]) -> None:
         n = _count(body.get("n"), MAX_N) or 1
-        limit = _count(body.get("max_tokens"), MAX_COUNTED_TOKENS) or _count(
-            body.get("max_completion_tokens"), MAX_COUNTED_TOKENS
+        limit = (
+            _count(body.get("max_tokens"), MAX_COUNTED_TOKENS)
+            or _count(body.get("max_completion_tokens"), MAX_COUNTED_TOKENS)
+            or _count(body.get("max_output_tokens"), MAX_COUNTED_TOKENS)  # a /v1/responses line
         )
         if limit:
             self.scan.requested_tokens += n * limit

@@ -36,6 +36,9 @@ class Choice:
     logprobs: dict[str, Any] | None = None
     # A chat answer's tool calls (OpenAI's ``tool_calls``); its content is then ``text`` or null.
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning model's thinking (the text is then its answer), and how many tokens it took.
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
 
 
 def stable_id(prefix: str, *parts: str) -> str:
@@ -53,14 +56,19 @@ def response_body(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int = 0,
+    reasoning_field: str = "reasoning",
 ) -> dict[str, Any]:
-    """A ``chat.completion`` or ``text_completion`` object with ``usage``."""
-    usage = {
+    """A ``chat.completion`` or ``text_completion`` object with ``usage``. A reasoning model's
+    thinking goes in each message's ``reasoning_field`` and its tokens in
+    ``usage.completion_tokens_details.reasoning_tokens``."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if endpoint == CHAT:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
     if endpoint == CHAT:
         return {
             "id": response_id,
@@ -70,7 +78,7 @@ def response_body(
             "choices": [
                 {
                     "index": i,
-                    "message": _message(c),
+                    "message": _message(c, reasoning_field),
                     "logprobs": c.logprobs,
                     "finish_reason": c.finish_reason,
                 }
@@ -93,10 +101,13 @@ def response_body(
     raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
 
 
-def _message(c: Choice) -> dict[str, Any]:
-    if not c.tool_calls:
-        return {"role": "assistant", "content": c.text, "refusal": None}
-    return {"role": "assistant", "content": c.text or None, "refusal": None, "tool_calls": c.tool_calls}
+def _message(c: Choice, reasoning_field: str = "reasoning") -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.reasoning is not None:
+        message[reasoning_field] = c.reasoning
+    if c.tool_calls:
+        message.update(content=c.text or None, tool_calls=c.tool_calls)
+    return message
 
 
 def output_line(job_id: str, custom_id: str, body: dict[str, Any], status_code: int = 200) -> dict[str, Any]:

@@ -24,12 +24,17 @@ from worker.batchio.request_body import (
     parse_prompt,
     sampling_from_body,
     shown,
+    template_controls,
 )
 from worker.batchio.request_options import RequestOptions
+from worker.batchio.responses_body import RESPONSES, chat_body
 from worker.batchio.tools import ToolRequest, apply_tools
 from worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
 
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+# The Responses fields a ``response`` object repeats.
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
+           "tool_choice", "tools", "text", "reasoning")  # fmt: skip
 
 
 class InputFormat(str, enum.Enum):
@@ -60,16 +65,22 @@ class ParsedRequest:
 
     line: int  # 1-based line number in the input file (CSV: the record's first line)
     custom_id: str
-    endpoint: str  # CHAT or COMPLETIONS
+    endpoint: str  # CHAT, COMPLETIONS or RESPONSES (read as the chat request it amounts to)
     sampling: dict[str, Any]  # SamplingParams(**sampling)
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     echo: bool = False  # completions: the prompt goes in front of the text
     tools: ToolRequest | None = None  # a chat request's tools and tool_choice
     # A ``prompt`` row's chat: rendered through the chat template as one user message (True),
     # sent as it is (False), or rendered when the model has a template (None: auto).
     chat: bool | None = False
     system_prompt: str | None = None  # the system message in front of a prompt rendered as chat
+    # Chat and responses: variables for the chat template, and the reasoning effort asked for
+    # (the worker's reasoning parser maps it onto the template or refuses it).
+    template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # Responses: the request's fields a ``response`` object repeats (instructions, tools...).
+    echoed: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
@@ -87,6 +98,9 @@ class ParsedRequest:
             data["chat"] = self.chat
         if self.system_prompt is not None:
             data["system_prompt"] = self.system_prompt
+        for name in ("template_kwargs", "reasoning_effort", "echoed"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
         return data
 
     @classmethod
@@ -105,6 +119,9 @@ class ParsedRequest:
             tools=ToolRequest.from_json(data["tools"]) if data.get("tools") else None,
             chat=data.get("chat", False),
             system_prompt=data.get("system_prompt"),
+            template_kwargs=data.get("template_kwargs"),
+            reasoning_effort=data.get("reasoning_effort"),
+            echoed=data.get("echoed"),
         )
 
 
@@ -178,13 +195,21 @@ def request_from_object(
         custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
         body, strict, plain = options.body_with_defaults(obj), False, True
         endpoint = CHAT if "messages" in obj else COMPLETIONS
-    if endpoint == CHAT:
+    echoed = None
+    if endpoint == RESPONSES:
+        echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
+        body = chat_body(body)
+    if endpoint in (CHAT, RESPONSES):
         if "messages" not in body:
             raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
         messages = options.with_system(parse_messages(body["messages"], limits))
-        sampling = sampling_from_body(body, endpoint, limits, strict=strict)
+        sampling = sampling_from_body(body, CHAT, limits, strict=strict)
         tools = apply_tools(body, sampling, limits)
-        return ParsedRequest(line, custom_id, endpoint, sampling, messages=messages, tools=tools)
+        kwargs, effort = template_controls(body, limits)
+        return ParsedRequest(
+            line, custom_id, endpoint, sampling, messages=messages, tools=tools, template_kwargs=kwargs,
+            reasoning_effort=effort, echoed=echoed,
+        )  # fmt: skip
     if "prompt" not in body:
         what = "a completions request needs a prompt" if strict else "no prompt or messages field"
         raise InvalidRequest("missing_prompt", what, "prompt")

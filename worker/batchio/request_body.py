@@ -10,17 +10,19 @@ not sampling: ``echo_from_body`` reads it. Every user-controlled size is bounded
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from worker.batchio import response_format as formats
 from worker.batchio.body_errors import InvalidRequest, shown
+from worker.batchio.responses_body import RESPONSES
 from worker.core.limits import InputLimits
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_SEED = 2**63 - 1
@@ -130,6 +132,8 @@ _COMMON: dict[str, Callable[[Any, InputLimits], Any]] = {
     "stop_token_ids": lambda v, lim: _token_ids("stop_token_ids", v, lim.max_stop_token_ids),
     "ignore_eos": lambda v, lim: _bool("ignore_eos", v),
     "min_tokens": lambda v, lim: _int("min_tokens", v, 0, lim.max_tokens),
+    # Reasoning models: at most this many thinking tokens (vLLM's name), then the answer.
+    "thinking_token_budget": lambda v, lim: _int("thinking_token_budget", v, 0, lim.max_tokens),
 }
 
 # Accepted and ignored when they hold a harmless value (None always counts as absent).
@@ -158,6 +162,9 @@ _UNSUPPORTED_HINT = {
     "suffix": "suffix (text after the completion, for insertion) needs a fill-in-the-middle model",
 }
 
+
+# A chat request's controls of its template, read by ``template_controls``.
+_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort")
 
 # A chat request's tool fields, read by ``worker.batchio.tools`` (for completions they are
 # accepted only when they ask for nothing, as in ``_IGNORED``).
@@ -208,6 +215,8 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
                 sampling["structured_outputs"] = constraint
         elif name in _TOOL_FIELDS and chat:
             continue  # read by worker.batchio.tools
+        elif name in _TEMPLATE_FIELDS and chat:
+            continue  # read by template_controls
         elif name == "best_of" and not chat:
             if value != body.get("n", 1):
                 raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")
@@ -232,6 +241,26 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
     return sampling
 
 
+def template_controls(body: Mapping[str, Any], limits: InputLimits) -> tuple[dict[str, Any] | None, str | None]:
+    """A chat body's ``chat_template_kwargs`` (checked: an object of at most
+    ``max_chat_template_kwargs`` plain JSON entries) and ``reasoning_effort``. Whether the
+    model's family defines an effort is the worker's to say (its reasoning parser)."""
+    kwargs, effort = body.get("chat_template_kwargs"), body.get("reasoning_effort")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or len(kwargs) > limits.max_chat_template_kwargs:
+            raise _invalid(
+                "chat_template_kwargs", f"an object of at most {limits.max_chat_template_kwargs} entries", kwargs
+            )
+        for key in kwargs:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
+                raise _invalid("chat_template_kwargs", "keyed by template variable names", key)
+        if len(json.dumps(kwargs)) > limits.max_schema_bytes:
+            raise _invalid("chat_template_kwargs", f"at most {limits.max_schema_bytes} bytes as JSON", "...")
+    if effort is not None and effort not in ("minimal", "low", "medium", "high"):
+        raise _invalid("reasoning_effort", 'one of "low", "medium", "high"', effort)
+    return kwargs or None, effort
+
+
 def echo_from_body(body: Mapping[str, Any], endpoint: str) -> bool:
     """Whether a completions body asks for the prompt in front of the text (checked by
     ``sampling_from_body``)."""
@@ -241,36 +270,86 @@ def echo_from_body(body: Mapping[str, Any], endpoint: str) -> bool:
 # ---- prompts ------------------------------------------------------------------------------
 
 
-def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, str]]:
-    """Chat messages normalised to ``[{"role", "content": str}]`` (text parts joined)."""
+def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, Any]]:
+    """Chat messages normalised to ``[{"role", "content": str}]`` (text parts joined). A tool
+    conversation keeps what the template renders: an assistant's past ``tool_calls`` (their
+    arguments as JSON objects, as chat templates expect them) and a ``tool`` message's
+    ``tool_call_id``."""
     if not isinstance(value, list) or not value:
         raise _invalid("messages", "a non-empty list of messages", value)
     if len(value) > limits.max_messages:
         raise InvalidRequest(
             "invalid_value", f"messages has {len(value)} entries; at most {limits.max_messages}", "messages"
         )
-    out = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
             raise _invalid(where, "an object with role and content", msg)
         role = msg.get("role")
-        if role not in _ROLES:
-            if role == "tool":
-                raise InvalidRequest("unsupported", f"{where}: tool messages are not supported", f"{where}.role")
-            raise _invalid(f"{where}.role", "one of system, developer, user, assistant", role)
-        if msg.get("tool_calls"):  # dropping them would misstate the conversation to the model
-            raise InvalidRequest(
-                "unsupported", f"{where}: an assistant's past tool_calls are not supported", f"{where}.tool_calls"
+        if role not in _ROLES and role != "tool":
+            raise _invalid(f"{where}.role", "one of system, developer, user, assistant, tool", role)
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
+                raise _invalid(f"{where}.tool_call_id", "the id of the call this message answers", call_id)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": _content(f"{where}.content", msg.get("content"), role),
+                }
             )
-        out.append({"role": _ROLES[role], "content": _content(f"{where}.content", msg.get("content"), role)})
+            continue
+        entry: dict[str, Any] = {
+            "role": _ROLES[role],
+            "content": _content(f"{where}.content", msg.get("content"), role),
+        }
+        if msg.get("tool_calls"):
+            if role != "assistant":
+                raise InvalidRequest(
+                    "invalid_value", f"{where}: only assistant messages carry tool_calls", f"{where}.tool_calls"
+                )
+            entry["tool_calls"] = _past_tool_calls(f"{where}.tool_calls", msg["tool_calls"], limits)
+        out.append(entry)
+    return out
+
+
+def _past_tool_calls(param: str, calls: Any, limits: InputLimits) -> list[dict[str, Any]]:
+    """An assistant's past calls, ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`` with ``arguments`` parsed (OpenAI sends them as JSON text)."""
+    if not isinstance(calls, list) or len(calls) > limits.max_tools:
+        raise _invalid(param, f"a list of at most {limits.max_tools} tool calls", calls)
+    out = []
+    for k, call in enumerate(calls):
+        where = f"{param}[{k}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise _invalid(where, '{"id", "type": "function", "function": {"name", "arguments"}}', call)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise _invalid(f"{where}.function.arguments", "a JSON object (as text)", args) from None
+        if not isinstance(args, dict):
+            raise _invalid(f"{where}.function.arguments", "a JSON object", args)
+        call_id = call.get("id")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": _text(where, fn["name"]), "arguments": args}}
+        if isinstance(call_id, str):
+            entry["id"] = call_id
+        out.append(entry)
     return out
 
 
 def _content(param: str, content: Any, role: str) -> str:
     if isinstance(content, str):
         return _text(param, content)
-    if content is None and role == "assistant":
+    if content is None and role in ("assistant", "tool"):
         return ""
     if isinstance(content, list):
         texts = []

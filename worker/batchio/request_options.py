@@ -80,7 +80,7 @@ class RequestOptions:
             merged.pop("response_format", None)
         return {**body, **merged}
 
-    def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def with_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with the system prompt first, unless they start with a system message."""
         if self.system_prompt is None or (messages and messages[0].get("role") == "system"):
             return messages

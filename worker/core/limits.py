@@ -45,6 +45,8 @@ class InputLimits:
     max_schema_depth: int = 32
     max_choices: int = 256
     max_tools: int = 128
+    # Entries of a chat request's chat_template_kwargs.
+    max_chat_template_kwargs: int = 32
 
 
 DEFAULT_LIMITS = InputLimits()

@@ -269,6 +269,14 @@ class Settings(BaseSettings):
     # broker producer), so the operator's own jobs share their cache; empty: each such job alone.
     unowned_cache_salt: str = Field("", max_length=128)
 
+    # Reasoning models. The parser that splits a model's thinking from its answer: auto (from its
+    # family and chat template), none, think (<think>: Qwen3, QwQ, DeepSeek-R1), harmony (gpt-oss), gemma4.
+    reasoning_parser: Literal["auto", "none", "think", "harmony", "gemma4"] = "auto"
+    # The chat message field the thinking goes to: reasoning (vLLM, OpenRouter) or reasoning_content (DeepSeek).
+    reasoning_field: Literal["reasoning", "reasoning_content"] = "reasoning"
+    # The thinking budget of a line that names no thinking_token_budget (unset: unbounded thinking).
+    thinking_token_budget: int | None = Field(None, ge=0)
+
     # Metrics.
 
     # The port of a worker's Prometheus ``/metrics``, ``/healthz`` and ``/readyz`` (0: no metrics server).

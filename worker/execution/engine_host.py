@@ -178,6 +178,12 @@ class EngineHost:
         return self._engine.tokenizer
 
     @property
+    def model_type(self) -> str | None:
+        """The checkpoint's ``model_type`` (None for a stand-in engine that has no model)."""
+        spec = getattr(self._engine, "model_spec", None)
+        return getattr(spec, "model_type", None)
+
+    @property
     def startup(self) -> Any:
         """How long the engine took to build, by phase (``engine.StartupTimings``; None
         for an engine that keeps none, such as a test's stand-in)."""

@@ -14,8 +14,10 @@ from engine.token_pieces import TokenPieces
 from worker.batchio.output_lines import Choice, response_body, stable_id
 from worker.batchio.records import ParsedRequest
 from worker.batchio.request_body import CHAT
+from worker.batchio.responses_body import RESPONSES, response_object
 from worker.batchio.tools import ToolRequest, answer
 from worker.execution.engine_host import Completion
+from worker.execution.reasoning import NO_REASONING, Reasoning
 from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
 
@@ -41,13 +43,19 @@ class ItemContext:
     worker_id: str
 
 
-def engine_prompt(req: ParsedRequest, *, chat_template: bool = False) -> Any:
+def engine_prompt(req: ParsedRequest, *, chat_template: bool = False, reasoning: Reasoning = NO_REASONING) -> Any:
     """The prompt in the form ``LLMEngine.add_request`` takes. ``chat_template``: the model's
     tokenizer has one, so a ``prompt`` row in auto chat mode is rendered through it (as one
     user message after the job's system prompt); the engine renders messages, once.
     ``ValueError`` when the job asks for chat and the model has no template."""
     if req.messages is not None:
-        return {"messages": req.messages, "tools": req.tools.tools} if req.tools else {"messages": req.messages}
+        prompt: dict[str, Any] = {"messages": req.messages}
+        if req.tools:
+            prompt["tools"] = req.tools.tools
+        kwargs = reasoning.template_kwargs(req)
+        if kwargs:
+            prompt["chat_template_kwargs"] = kwargs
+        return prompt
     if req.chat is True and not chat_template:
         raise ValueError(NO_TEMPLATE)
     if isinstance(req.prompt, str) and (req.chat or (req.chat is None and chat_template)):
@@ -56,11 +64,13 @@ def engine_prompt(req: ParsedRequest, *, chat_template: bool = False) -> Any:
     return req.prompt
 
 
-def sampling_params(req: ParsedRequest, cache_salt: str | None = None) -> SamplingParams:
+def sampling_params(
+    req: ParsedRequest, cache_salt: str | None = None, reasoning: Reasoning = NO_REASONING
+) -> SamplingParams:
     """``SamplingParams`` of a request (``ValueError`` naming the field if the engine refuses).
     Final-only: the engine host keeps only finished outputs, so the engine need not build
     one per step. ``cache_salt`` (its job's, ``execution.cache_salt``) always wins over the line."""
-    return SamplingParams(**{**req.sampling, "stream": False, "cache_salt": cache_salt})
+    return SamplingParams(**{**req.sampling, **reasoning.sampling(req), "stream": False, "cache_salt": cache_salt})
 
 
 def error_record(
@@ -80,7 +90,12 @@ def error_record(
 
 
 def completion_record(
-    ctx: ItemContext, req: ParsedRequest, completion: Completion, pieces: TokenPieces, decode: Decode | None = None
+    ctx: ItemContext,
+    req: ParsedRequest,
+    completion: Completion,
+    pieces: TokenPieces,
+    decode: Decode | None = None,
+    reasoning: Reasoning = NO_REASONING,
 ) -> ItemRecord:
     """The stored item for a request the engine finished (or refused). ``decode`` gives the
     text of a prompt sent as token ids, for ``echo``."""
@@ -108,22 +123,28 @@ def completion_record(
         )
         for o in outputs
     ]
+    if req.messages is not None:
+        choices = [_split_reasoning(c, o, reasoning) for c, o in zip(choices, outputs, strict=True)]
     if req.tools is not None:
         choices = tool_choices(ctx.job_id, req.custom_id, req.tools, choices)
     first = outputs[0]
     prompt_tokens = len(first.prompt_token_ids)
     completion_tokens = sum(len(o.token_ids) for o in outputs)
-    prefix = "chatcmpl-" if req.endpoint == CHAT else "cmpl-"
-    body = response_body(
-        req.endpoint,
-        response_id=stable_id(prefix, ctx.job_id, req.custom_id),
-        model=ctx.model,
-        created=int(time.time()),
-        choices=choices,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=first.num_cached_tokens,
-    )
+    if req.endpoint == RESPONSES:
+        body = _response_object(ctx, req, choices[0], prompt_tokens, completion_tokens, first.num_cached_tokens)
+    else:
+        prefix = "chatcmpl-" if req.endpoint == CHAT else "cmpl-"
+        body = response_body(
+            req.endpoint,
+            response_id=stable_id(prefix, ctx.job_id, req.custom_id),
+            model=ctx.model,
+            created=int(time.time()),
+            choices=choices,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=first.num_cached_tokens,
+            reasoning_field=reasoning.field,
+        )
     m = first.metrics
     e2e = [o.metrics.e2e_latency for o in outputs if o.metrics.e2e_latency is not None]
     return ItemRecord(
@@ -139,12 +160,47 @@ def completion_record(
         prompt_tokens=prompt_tokens,
         cached_tokens=first.num_cached_tokens,
         completion_tokens=completion_tokens,
+        reasoning_tokens=sum(c.reasoning_tokens for c in choices),
         preemptions=sum(o.metrics.num_preemptions for o in outputs),
         queue_time=m.queue_time,
         ttft=m.time_to_first_token,
         tpot=m.time_per_output_token,
         e2e=max(e2e) if e2e else None,
         worker_id=ctx.worker_id,
+    )
+
+
+def _split_reasoning(c: Choice, out: RequestOutput, reasoning: Reasoning) -> Choice:
+    """A chat sample's thinking apart from its answer (tool calls are then read from the
+    answer only), with the count of its thinking tokens."""
+    opened = reasoning.parser.opened_in_prompt(out.prompt)
+    split = reasoning.parser.split(c.text, opened_in_prompt=opened)
+    if split.reasoning is None and split.content == c.text:
+        return c
+    tokens = reasoning.reasoning_tokens(out.token_ids, split.reasoning)
+    return dataclasses.replace(c, text=split.content, reasoning=split.reasoning, reasoning_tokens=tokens)
+
+
+def _response_object(
+    ctx: ItemContext, req: ParsedRequest, c: Choice, prompt_tokens: int, completion_tokens: int, cached: int
+) -> dict[str, Any]:
+    def item_id(prefix: str, k: int) -> str:
+        return stable_id(prefix, ctx.job_id, req.custom_id, str(k))
+
+    return response_object(
+        response_id=stable_id("resp_", ctx.job_id, req.custom_id),
+        model=ctx.model,
+        created=int(time.time()),
+        body=req.echoed or {},
+        reasoning=c.reasoning,
+        text=c.text,
+        tool_calls=c.tool_calls,
+        finish_reason=c.finish_reason,
+        input_tokens=prompt_tokens,
+        output_tokens=completion_tokens,
+        reasoning_tokens=c.reasoning_tokens,
+        cached_tokens=cached,
+        item_id=item_id,
     )
 
 

@@ -64,6 +64,7 @@ from worker.execution.item_records import (
     error_record,
     sampling_params,
 )
+from worker.execution.reasoning import NO_REASONING, reasoning_of
 from worker.jobs import object_keys
 from worker.jobs.finalize import finalize_if_ready
 from worker.jobs.output_files import write_shard_parts
@@ -203,6 +204,7 @@ class ShardRunner:
         self._flush_after = 0.0
         self._parts: str | None = None  # the results part file, once written
         self._cache_salt: str | None = None  # whose prefix-cache blocks the items may reuse
+        self._reasoning = NO_REASONING  # the worker's reasoning parser, set when items run
         self._released = False
         self._reason = ""
 
@@ -409,11 +411,12 @@ class ShardRunner:
         finished: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         host = ctx.host()
         chat_template = bool(getattr(host.tokenizer, "chat_template", None))
+        reasoning = self._reasoning = reasoning_of(host, s)
         self._handles = {}
         for req in requests:
             try:
-                params = sampling_params(req, self._cache_salt)
-                prompt = engine_prompt(req, chat_template=chat_template)
+                params = sampling_params(req, self._cache_salt, reasoning)
+                prompt = engine_prompt(req, chat_template=chat_template, reasoning=reasoning)
             except ValueError as exc:
                 self._buffer.add(
                     error_record(self._item_ctx, req, code="invalid_value", message=str(exc), status_code=400)
@@ -494,7 +497,7 @@ class ShardRunner:
             return error_record(
                 self._item_ctx, req, code="aborted", message="the engine aborted the request", status_code=500
             )
-        return completion_record(self._item_ctx, req, completion, pieces, decode)
+        return completion_record(self._item_ctx, req, completion, pieces, decode, self._reasoning)
 
     def _job_stopping(self) -> bool:
         try:

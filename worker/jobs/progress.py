@@ -41,7 +41,7 @@ def live_batch_object(db: Engine, job: Job, at: float | None = None) -> dict[str
         "input_tokens": totals.prompt_tokens,
         "input_tokens_details": {"cached_tokens": totals.cached_tokens},
         "output_tokens": totals.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": totals.reasoning_tokens},
         "total_tokens": totals.prompt_tokens + totals.completion_tokens,
     }
     obj["progress"] = progress(job.total_requests, totals.succeeded + failed, totals, at - since)

@@ -21,6 +21,7 @@ class ItemTotals:
     completion_tokens: int
     recent: int  # items finished at or after ``since``
     recent_completion_tokens: int
+    reasoning_tokens: int
 
 
 def item_totals(engine: Engine, job_id: str, since: float) -> ItemTotals:
@@ -38,6 +39,7 @@ def item_totals(engine: Engine, job_id: str, since: float) -> ItemTotals:
         func.coalesce(func.sum(Item.completion_tokens), 0),
         count(recent),
         func.coalesce(func.sum(case((recent, Item.completion_tokens), else_=0)), 0),
+        func.coalesce(func.sum(Item.reasoning_tokens), 0),
     ).where(Item.job_id == job_id)
     with engine.connect() as conn:
         row = conn.execute(stmt).one()

@@ -36,6 +36,7 @@ class ItemRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # a reasoning model's thinking, counted in completion_tokens
     preemptions: int = 0
     queue_time: float | None = None
     ttft: float | None = None
@@ -148,11 +149,12 @@ def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
         func.coalesce(func.sum(Item.prompt_tokens), 0),
         func.coalesce(func.sum(Item.cached_tokens), 0),
         func.coalesce(func.sum(Item.completion_tokens), 0),
+        func.coalesce(func.sum(Item.reasoning_tokens), 0),
         func.coalesce(func.sum(Item.preemptions), 0),
         func.count(),
     ).where(Item.job_id == job_id)
     with engine.connect() as conn:
-        prompt, cached, completion, preemptions, count = conn.execute(sums).one()
+        prompt, cached, completion, reasoning, preemptions, count = conn.execute(sums).one()
         metrics: dict[str, Any] = {name: _percentiles(conn, job_id, col) for name, col in _TIMINGS.items()}
     metrics["preemptions"] = int(preemptions)
     metrics["items"] = int(count)
@@ -164,6 +166,7 @@ def summarize_job(engine: Engine, job_id: str) -> dict[str, Any]:
                 prompt_tokens=int(prompt),
                 cached_tokens=int(cached),
                 completion_tokens=int(completion),
+                reasoning_tokens=int(reasoning),
                 metrics=metrics,
                 updated_at=now(),
             )

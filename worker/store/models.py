@@ -149,6 +149,7 @@ class Job(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # of completion_tokens
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
 
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)  # job-level errors
@@ -253,7 +254,7 @@ class Job(Base):
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},  # no reasoning models here
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens or 0},
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
             },
             "metrics": self.metrics,
@@ -331,6 +332,9 @@ class Item(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0"
+    )  # thinking, of completion_tokens
     preemptions: Mapped[int] = mapped_column(Integer, default=0)
     queue_time: Mapped[float | None] = mapped_column(Double)  # seconds
     ttft: Mapped[float | None] = mapped_column(Double)  # time to first token

@@ -135,10 +135,11 @@ def test_declared_length_over_the_bytes_quota_is_refused_before_the_body() -> No
 
 def test_scanner_counts_requested_tokens_whatever_the_chunking() -> None:
     data = lines(3, n=2, max_tokens=7) + lines(2) + lines(1, max_completion_tokens=5) + b'{"body": {"n": true}}\n'
+    data += lines(1, max_output_tokens=4)  # a /v1/responses line's limit
     for size in (1, 7, len(data)):
         scanner = BatchScanner(1 << 20)
         for start in range(0, len(data), size):
             scanner.feed(data[start : start + size])
         scan = scanner.finish()
-        assert (scan.requested_tokens, scan.default_token_samples) == (3 * 2 * 7 + 5, 3)
-        assert scan.output_tokens(10) == 47 + 30
+        assert (scan.requested_tokens, scan.default_token_samples) == (3 * 2 * 7 + 5 + 4, 3)
+        assert scan.output_tokens(10) == 51 + 30

@@ -101,7 +101,8 @@ def test_user_metadata_and_other_harmless_fields_are_accepted_and_ignored() -> N
         (completions_line(echo="yes"), "invalid_value", "echo", "true or false"),
         (completions_line(suffix="!"), "unsupported", "suffix", "fill-in-the-middle"),
         (chat_line(logprobs=True, top_logprobs=2, user=5), "unsupported", "user", "user"),
-        (chat_line(reasoning_effort="low"), "unknown_parameter", "reasoning_effort", "unknown parameter"),
+        (chat_line(reasoning_effort="extreme"), "invalid_value", "reasoning_effort", "one of"),
+        (completions_line(reasoning_effort="low"), "unknown_parameter", "reasoning_effort", "unknown parameter"),
     ],
 )
 def test_bad_body_fields_are_that_lines_error(line, code: str, param: str, words: str) -> None:

@@ -157,7 +157,7 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
         (batch_line(body={"messages": []}), "invalid_value", "non-empty list"),
         (batch_line(body={"messages": "hi"}), "invalid_value", "non-empty list"),
         (batch_line(body={"messages": [{"role": "robot", "content": "x"}]}), "invalid_value", "messages[0].role"),
-        (batch_line(body={"messages": [{"role": "tool", "content": "x"}]}), "unsupported", "tool messages"),
+        (batch_line(body={"messages": [{"role": "tool", "content": "x"}]}), "invalid_value", "tool_call_id"),
         (
             batch_line(body={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
             "unsupported",
@@ -370,6 +370,7 @@ def test_chat_output_line() -> None:
     assert response["body"]["choices"][0]["message"] == {"role": "assistant", "content": "Hello!", "refusal": None}
     assert response["body"]["usage"] == {
         "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 8},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }  # fmt: skip
     encoded = dumps_line(line)
     assert encoded.endswith(b"\n") and encoded.count(b"\n") == 1 and json.loads(encoded) == line

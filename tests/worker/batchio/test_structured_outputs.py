@@ -152,8 +152,8 @@ HUGE = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLe
         (batch_line(url=COMPLETIONS, body={"prompt": "p", "tools": [WEATHER]}), "unsupported", "chat/completions only"),
         (
             chat_line(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]),
-            "unsupported",
-            "past tool_calls",
+            "invalid_value",
+            "tool_calls[0] must be",
         ),
     ],
 )

@@ -1,0 +1,151 @@
+"""The reasoning parsers on text in each family's published format, the choice of a parser from
+the family and template, and the Responses body read as the chat request it amounts to."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.batchio.body_errors import InvalidRequest
+from worker.batchio.reasoning_parsers import (
+    Gemma4Parser,
+    HarmonyParser,
+    ReasoningParser,
+    ReasoningSplit,
+    ThinkParser,
+    choose_parser,
+    parser_named,
+)
+from worker.batchio.responses_body import chat_body
+from worker.batchio.tool_parsers import parse_tool_calls
+
+
+@pytest.mark.parametrize(
+    ("text", "opened", "reasoning", "content"),
+    [
+        ("<think>\nsoup is hot\n</think>\n\nIt is hot.", False, "soup is hot", "It is hot."),
+        ("soup is hot\n</think>\n\nIt is hot.", True, "soup is hot", "It is hot."),  # QwQ / R1: opened in the prompt
+        ("soup is hot</think>It is hot.", False, "soup is hot", "It is hot."),  # R1 distills repeat no opener
+        ("<think>\nstill thinking", False, "still thinking", ""),  # cut short by max_tokens
+        ("still thinking", True, "still thinking", ""),
+        ("It is hot.", False, None, "It is hot."),  # no thinking at all
+        ("<think>\n\n</think>\n\nIt is hot.", False, None, "It is hot."),  # enable_thinking off, empty block
+    ],
+)
+def test_think_blocks(text: str, opened: bool, reasoning, content: str) -> None:
+    assert ThinkParser().split(text, opened_in_prompt=opened) == ReasoningSplit(reasoning, content)
+
+
+def test_tool_calls_are_read_from_the_answer_only() -> None:
+    text = '<think>maybe <tool_call>{"name": "f", "arguments": {}}</tool_call>? no</think>\n\nok'
+    split = ThinkParser().split(text)
+    assert split.content == "ok" and parse_tool_calls(split.content, ["f"]) == ("ok", [])
+
+
+def test_harmony_channels() -> None:
+    text = (
+        "<|channel|>analysis<|message|>User wants weather.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+    )
+    assert HarmonyParser().split(text) == ReasoningSplit("User wants weather.", "It is sunny.")
+    call = (
+        "<|channel|>analysis<|message|>Need the tool.<|end|>"
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+        "<|call|>"
+    )
+    split = HarmonyParser().split(call)
+    assert split.reasoning == "Need the tool."
+    assert parse_tool_calls(split.content, ["get_weather"]) == (None, [("get_weather", '{"city": "Oslo"}')])
+    # The recipient in the role header, as gpt-oss also writes it.
+    header = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>'
+    assert parse_tool_calls(HarmonyParser().split(header).content, ["get_weather"])[1] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    cut = "<|channel|>analysis<|message|>Thinking on and on"
+    assert HarmonyParser().split(cut) == ReasoningSplit("Thinking on and on", "")
+    assert HarmonyParser().template_kwargs_for_effort("high") == {"reasoning_effort": "high"}
+
+
+def test_gemma4_thought_channel() -> None:
+    parser = Gemma4Parser()
+    assert parser.split("<|channel>thought\nThe soup is hot.<channel|>It is hot.<turn|>") == ReasoningSplit(
+        "The soup is hot.", "It is hot."
+    )
+    assert parser.split("It is hot.") == ReasoningSplit(None, "It is hot.")
+    assert parser.split("\nhot soup<channel|>Hot.", opened_in_prompt=True) == ReasoningSplit("hot soup", "Hot.")
+    assert parser.keeps_special_tokens and parser.opened_in_prompt("<|turn>model\n<|channel>thought\n")
+
+
+def test_effort_is_refused_where_the_family_has_none() -> None:
+    for parser in (ThinkParser(), Gemma4Parser(), ReasoningParser()):
+        with pytest.raises(InvalidRequest, match="gpt-oss"):
+            parser.template_kwargs_for_effort("low")
+
+
+@pytest.mark.parametrize(
+    ("setting", "model_type", "template", "name"),
+    [
+        ("auto", "qwen3", "{{ '<think>' }}", "think"),
+        ("auto", "llama", "<|im_start|>", "none"),
+        ("auto", "gpt_oss", None, "harmony"),
+        ("auto", "gemma4", None, "gemma4"),
+        ("auto", "qwen2", "...<|channel|>final<|message|>", "harmony"),
+        ("none", "qwen3", "<think>", "none"),
+        ("deepseek_r1", "llama", None, "think"),
+    ],
+)
+def test_choosing_a_parser(setting: str, model_type: str, template, name: str) -> None:
+    assert choose_parser(setting, model_type, template).name == name
+
+
+def test_an_unknown_parser_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        parser_named("nope")
+
+
+def test_responses_bodies_as_chat() -> None:
+    chat = chat_body(
+        {
+            "model": "m",
+            "instructions": "be brief",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            ],
+            "max_output_tokens": 9,
+            "text": {"format": {"type": "json_schema", "name": "o", "schema": {"type": "object"}}},
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "reasoning": {"effort": "low"},
+            "store": False,
+        }
+    )
+    assert chat["messages"][0] == {"role": "system", "content": "be brief"}
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool"]
+    assert len(chat["messages"][2]["tool_calls"]) == 2  # parallel calls: one assistant turn
+    assert chat["max_completion_tokens"] == 9 and chat["reasoning_effort"] == "low"
+    assert chat["response_format"]["json_schema"]["name"] == "o"
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "store": True}, "store"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0]"),
+        ({"input": "x", "stream": True}, "stream"),
+        ({"input": "x", "wat": 1}, "wat"),
+        ({"input": [{"type": "input_image"}]}, "input[0]"),
+        ({"instructions": "x"}, "input"),
+    ],
+)
+def test_what_responses_refuse(body, param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        chat_body(body)
+    assert info.value.param == param
