@@ -81,7 +81,8 @@ def test_grouped_and_input_order_runs_give_the_same_files_in_input_order(embedde
         if k.startswith("parts/results-")
         for x in read_object(store, k).splitlines(keepends=True)
     ]
-    merged = b"".join(sorted(parts, key=lambda x: line_of[json.loads(x)["custom_id"]]))
+    parts.sort(key=lambda x: line_of[json.loads(x.decode())["custom_id"]])
+    merged = b"".join(parts)
     before = read_object(store, object_keys.RESULTS), read_object(store, object_keys.ERRORS)
     assert before[0] == merged
     with client.db.begin() as conn:
