@@ -14,9 +14,11 @@ as they never share prefix-cache blocks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from worker.batchio.records import ParsedRequest
 
@@ -83,16 +85,23 @@ def canonical_prompt(request: ParsedRequest) -> bytes:
     return "".join(parts).encode("utf-8", "surrogatepass")
 
 
+@functools.lru_cache(maxsize=64)
+def _keyed_hasher(key: str) -> Any:
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, key=hashlib.sha256(key.encode("utf-8")).digest())
+
+
 def signature_of_text(text: bytes, key: str) -> PrefixSignature:
     """The signature of canonical ``text`` under ``key`` (the cache salt and the model)."""
-    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES, key=hashlib.sha256(key.encode("utf-8")).digest())
+    hasher = _keyed_hasher(key).copy()
     digests = bytearray()
     start = 0
-    for depth in DEPTHS:
-        end = min(depth, len(text))
-        if end > start:
-            hasher.update(text[start:end])
-            start = end
+    for level, depth in enumerate(DEPTHS):
+        if depth >= len(text):  # this depth and every deeper one cover the whole text
+            hasher.update(text[start:])
+            digests += hasher.digest() * (len(DEPTHS) - level)
+            break
+        hasher.update(text[start:depth])
+        start = depth
         digests += hasher.copy().digest()
     return PrefixSignature(bytes(digests), len(text))
 
