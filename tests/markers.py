@@ -115,7 +115,6 @@ SLOW: tuple[str, ...] = (
     "tests/worker/faults/test_prefix_group_faults.py::test_duplicated_shard_messages_run_each_line_once",
     "tests/worker/jobs/test_announcements.py::test_a_failed_publish_is_tried_again_a_lease_later",
     "tests/worker/jobs/test_expiry.py::test_a_partly_done_job_keeps_its_finished_results_when_it_expires",
-    "tests/worker/jobs/test_prefix_jobs.py::test_grouped_and_input_order_runs_give_the_same_files_in_input_order",
     "tests/worker/jobs/test_expiry.py::test_an_unserved_job_expires_at_its_window_and_follow_ends",
     "tests/worker/jobs/test_files_and_keys.py::test_a_verified_key_is_taken_without_the_database_for_a_moment",
     "tests/worker/jobs/test_files_and_keys.py::test_an_upload_streams_through_the_server_in_bounded_memory",
@@ -123,6 +122,7 @@ SLOW: tuple[str, ...] = (
     "tests/worker/jobs/test_openai_compat.py::test_completion_window_is_recorded_with_its_expiry",
     "tests/worker/jobs/test_openai_compat.py::test_status_json_validates_as_an_openai_batch_in_every_state",
     "tests/worker/jobs/test_openai_compat.py::test_transient_and_expired_states_validate_as_openai_batches",
+    "tests/worker/jobs/test_prefix_jobs.py::test_grouped_and_input_order_runs_give_the_same_files_in_input_order",
     "tests/worker/metrics/test_metrics_database.py::test_shards_wait_for_a_worker_then_fly_under_its_lease_and_wait_again_when_it_expires",
 )
 
