@@ -54,6 +54,8 @@ def test_every_line_in_exactly_one_shard_within_bounds_small_groups_kept_whole(
     sorter = PrefixSorter(memory)
     for rec in records:
         sorter.add(rec)
+    if memory == 1:  # every record spilled: a merge of one-record runs
+        assert sorter.spilled_runs == len(records)
     try:
         ordered = list(sorter.sorted_records())
     finally:
