@@ -191,8 +191,8 @@ def intake_child(lines: int, order: str, root: str) -> None:
     began = time.perf_counter()
     with path.open("rb") as source:
         result = ingest(
-            source, store, "batch_bench", limits=InputLimits(max_lines=lines + 1), input_format=InputFormat.jsonl,
-            shard_size=256, max_shards=100_000, copy_input=False, grouping=grouping,
+            source, store, "batch_bench", limits=InputLimits(max_lines=lines + 1, max_input_bytes=4 << 30),
+            input_format=InputFormat.jsonl, shard_size=256, max_shards=100_000, copy_input=False, grouping=grouping,
         )  # fmt: skip
     seconds = time.perf_counter() - began
     peak = _peak_rss_mb()
