@@ -143,6 +143,8 @@ SLOW: tuple[str, ...] = (
     "tests/worker/faults/test_broker_down.py::test_a_job_whose_enqueue_failed_is_retried_without_a_new_upload",
     "tests/worker/faults/test_dependency_gate.py::test_the_gate_passes_other_errors_through_and_gives_up_after_its_patience",
     "tests/worker/faults/test_dependency_gate.py::test_the_gate_pauses_work_until_the_dependency_is_back_and_says_so_once",
+    "tests/worker/faults/test_prefix_group_faults.py::test_an_expired_grouped_job_reports_the_rest_by_line",
+    "tests/worker/faults/test_prefix_group_faults.py::test_duplicated_shard_messages_run_each_line_once",
     "tests/worker/jobs/test_announcements.py::test_a_failed_publish_is_tried_again_a_lease_later",
     "tests/worker/jobs/test_expiry.py::test_a_partly_done_job_keeps_its_finished_results_when_it_expires",
     "tests/worker/jobs/test_expiry.py::test_an_unserved_job_expires_at_its_window_and_follow_ends",
@@ -152,6 +154,7 @@ SLOW: tuple[str, ...] = (
     "tests/worker/jobs/test_openai_compat.py::test_completion_window_is_recorded_with_its_expiry",
     "tests/worker/jobs/test_openai_compat.py::test_status_json_validates_as_an_openai_batch_in_every_state",
     "tests/worker/jobs/test_openai_compat.py::test_transient_and_expired_states_validate_as_openai_batches",
+    "tests/worker/jobs/test_prefix_jobs.py::test_grouped_and_input_order_runs_give_the_same_files_in_input_order",
     "tests/worker/metrics/test_metrics_database.py::test_shards_wait_for_a_worker_then_fly_under_its_lease_and_wait_again_when_it_expires",
 )
 

@@ -165,6 +165,13 @@ class Settings(BaseSettings):
 
     # Requests per shard when the submitter names no ``--shard-size``.
     shard_size: int = Field(256, ge=1)
+    # How a job's lines are cut into shards when the submitter names no ``--shard-order``: ``prefix``
+    # groups lines that share a prompt prefix (each shared document computed once), ``input`` keeps
+    # consecutive runs of input lines.
+    shard_order: Literal["prefix", "input"] = "prefix"
+    # Memory (MiB) intake sorts a grouped job's lines in; beyond it, sorted runs go to temporary
+    # files and are merged.
+    prefix_sort_memory_mb: int = Field(256, ge=1)
     # How long a shard's lease lasts without a heartbeat before another worker may take it over.
     lease_seconds: float = Field(60.0, gt=0)
     # How often a worker renews its leases and its registry row (at most half of ``lease_seconds``).

@@ -251,8 +251,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = run_job(
             settings, args.input, args.model, shard_size=args.shard_size, priority=args.priority,
-            input_format=args.format, on_start=on_start, on_records=bar.add, submit_options=request_options(args),
-            on_loading=on_loading, on_loaded=on_loaded,
+            input_format=args.format, shard_order=args.shard_order, on_start=on_start, on_records=bar.add,
+            submit_options=request_options(args), on_loading=on_loading, on_loaded=on_loaded,
         )  # fmt: skip
     except KeyboardInterrupt as exc:
         job_id = getattr(exc, "job_id", None) or (started[0]["id"] if started else None)
@@ -298,6 +298,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             args.priority,
             input_format=args.format,
             completion_window=args.completion_window,
+            shard_order=args.shard_order,
             **request_options(args),
         )
         live = JobStatus(job["status"]).terminal or client.model_service(job["model"]).live
@@ -692,6 +693,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors", help="write the errors file here")
     run.add_argument("--format", choices=FORMATS, help=FORMAT_HELP)
     run.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
+    run.add_argument(
+        "--shard-order",
+        choices=("prefix", "input"),
+        help="prefix: shards group lines sharing a prompt prefix; input: consecutive lines "
+        "(default CONVEYOR_SHARD_ORDER)",
+    )
     run.add_argument("--priority", type=_positive_int, help="the job's priority: lower runs first (default 0)")
     run.add_argument(
         "--concurrency", type=_positive_int, metavar="SHARDS",
@@ -708,6 +715,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", required=True, help=MODEL_HELP + "; workers serving it must run")
     submit.add_argument("--format", choices=FORMATS, help=FORMAT_HELP)
     submit.add_argument("--shard-size", type=_positive_int, help="requests per shard (default CONVEYOR_SHARD_SIZE)")
+    submit.add_argument(
+        "--shard-order",
+        choices=("prefix", "input"),
+        help="prefix: shards group lines sharing a prompt prefix; input: consecutive lines "
+        "(default CONVEYOR_SHARD_ORDER)",
+    )
     submit.add_argument("--priority", type=_positive_int, help="lower runs first under the priority policy (0)")
     submit.add_argument(
         "--completion-window", help="e.g. 24h, 1h, 7d (up to 30d; default CONVEYOR_COMPLETION_WINDOW, 24h)"

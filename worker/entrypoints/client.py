@@ -127,6 +127,7 @@ class Client:
         stop: str | list[str] | None = None,
         n: int | None = None,
         response_format: dict[str, Any] | None = None,
+        shard_order: str | None = None,
     ) -> dict[str, Any]:
         """Validate and store the input, create the job and enqueue its shards on the
         model's queue; returns the job (``status`` ``failed`` if the input was rejected as a
@@ -139,7 +140,9 @@ class Client:
         model's chat template (None, the default: when the model has one; False: never);
         ``system_prompt`` goes first in every chat request without a system message of its
         own; ``max_tokens`` ... ``response_format`` are defaults under each line's own fields
-        (OpenAI's body fields; a line's value wins)."""
+        (OpenAI's body fields; a line's value wins). ``shard_order``: ``"prefix"`` groups lines
+        sharing a prompt prefix into shards, ``"input"`` keeps consecutive runs (default
+        ``CONVEYOR_SHARD_ORDER``)."""
         request_options = RequestOptions.from_fields(
             chat=chat, system_prompt=system_prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             seed=seed, stop=stop, n=n, response_format=response_format,
@@ -171,6 +174,7 @@ class Client:
                 input_format=fmt,
                 completion_window=completion_window,
                 request_options=request_options,
+                shard_order=shard_order,
             )
             return submit_job(
                 self.db, self.store, self.settings, peeked, options,
@@ -254,7 +258,7 @@ class Client:
                 return iter_lines(job_store.open_read(final_key))
             except ObjectNotFound:
                 pass
-        source = ShardSource(self.db, job_store, job_id)
+        source = ShardSource.of_job(self.db, job_store, job_id)
         if status.terminal:
             return iter_job_output(source, job_shards(self.db, job_id), errors=errors)
         if not follow:

@@ -55,6 +55,7 @@ def run_job(
     shard_size: int | None = None,
     priority: int | None = None,
     input_format: str | None = None,
+    shard_order: str | None = None,
     concurrency: int | None = None,
     on_start: Callable[[dict[str, Any]], None] | None = None,
     on_items: Callable[[int], None] | None = None,
@@ -101,7 +102,7 @@ def run_job(
         try:
             job = client.submit(
                 source, model, shard_size, priority, input_format=input_format, enqueue=False,
-                on_created=created.append, **options,
+                on_created=created.append, shard_order=shard_order, **options,
             )  # fmt: skip
             if JobStatus(job["status"]).terminal:
                 if on_start is not None:

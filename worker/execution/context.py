@@ -29,6 +29,7 @@ from worker.execution.dependency_gate import DependencyGate
 from worker.execution.engine_host import EngineHost, HostStats
 from worker.execution.owner_slots import OwnerSlots
 from worker.execution.process_state import Phase, ProcessState
+from worker.execution.shard_affinity import ShardAffinity
 from worker.jobs import object_keys
 from worker.jobs.model_names import canonical_model, check_served_name
 from worker.store.database import create_db_engine
@@ -90,6 +91,8 @@ class WorkerContext:
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # The shards each owner runs in this process (``execution/shard_turns.py``).
     owner_slots: OwnerSlots = field(init=False, repr=False)
+    # The groups of shards served last, which the next turn prefers (``execution/shard_turns.py``).
+    affinity: ShardAffinity = field(default_factory=ShardAffinity, repr=False)
     # The model's load (``host()``) and, once the worker is ready, its cold start by phase
     # (``mark_ready``): the log line and ``conveyor_worker_cold_start_seconds`` read it.
     model_load: ModelLoad | None = field(default=None, repr=False)

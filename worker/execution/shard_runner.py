@@ -53,7 +53,6 @@ from sqlalchemy import select
 from engine.token_pieces import TokenPieces
 from worker.batchio.records import ParsedRequest
 from worker.core.periodic import Periodic
-from worker.execution.cache_salt import cache_salt
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import Completion, RequestHandle
@@ -66,6 +65,7 @@ from worker.execution.item_records import (
 )
 from worker.execution.reasoning import NO_REASONING, reasoning_of
 from worker.jobs import object_keys
+from worker.jobs.cache_salt import cache_salt
 from worker.jobs.finalize import finalize_if_ready
 from worker.jobs.output_files import write_shard_parts
 from worker.store.crashes import crash_counts, set_solo_item

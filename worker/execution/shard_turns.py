@@ -10,6 +10,10 @@ it. A turn that only finds owners at their limit here waits, holding its message
 another owner's shard is pending or a place frees up (its own shard runs then: the turns
 still add up, one per pending shard).
 
+Within the owner whose turn it is, a shard of a group this worker served last goes first
+(``execution/shard_affinity.py``): its prefix is likely in the engine's prefix cache. That only
+orders the choice; the lease is taken as for any shard, and nothing waits for a group.
+
 A turn with no pending shard to take runs the shard its message names, as before (it may
 be one whose holder died, or one already done: ``run_shard`` tells).
 """
@@ -38,7 +42,7 @@ def run_next_shard(ctx: WorkerContext, job_id: str, shard_index: int) -> ShardOu
         if ctx.state.draining:
             return run_shard(ctx, job_id, shard_index)  # hands the message back
         pick = ctx.gate.call(
-            lambda: next_shard(ctx.db, ctx.model, full=slots.full()),
+            lambda: next_shard(ctx.db, ctx.model, full=slots.full(), prefer=ctx.affinity.recent()),
             what="choosing the next shard",
             patience=ctx.settings.dependency_retry_seconds,
             give_up=lambda: ctx.state.draining,
@@ -61,11 +65,15 @@ def run_next_shard(ctx: WorkerContext, job_id: str, shard_index: int) -> ShardOu
 
 
 def _run(ctx: WorkerContext, choice: ShardChoice) -> ShardOutcome:
+    hit = ctx.affinity.serving(choice.group_key)
     ctx.owner_slots.take(choice.owner)
     try:
-        return run_shard(ctx, choice.job_id, choice.shard_index)
+        outcome = run_shard(ctx, choice.job_id, choice.shard_index)
     finally:
         ctx.owner_slots.release(choice.owner)
+    if outcome.status != "skipped":
+        ctx.affinity.ran(hit)
+    return outcome
 
 
 def _owner_of(ctx: WorkerContext, job_id: str) -> str:

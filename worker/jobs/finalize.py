@@ -110,7 +110,7 @@ def finalize_job(
         record_expired_items(db, job_store, job_id)
     refresh_job_counts(db, job_id)
     summarize_job(db, job_id)
-    source = ShardSource(db, job_store, job_id)
+    source = ShardSource.of_job(db, job_store, job_id)
     shards = job_shards(db, job_id)
     beat = _Heartbeat(db, job_id, heartbeat_seconds)
     with job_store.open_write(object_keys.RESULTS) as out:

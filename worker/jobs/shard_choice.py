@@ -8,7 +8,10 @@ in this worker (``full``; a limit holds only while another owner has work for th
 so a lone owner uses every place); between owners equally served, the one whose oldest waiting job
 is oldest. Within that owner: fewer failed attempts first (a shard just retried waits its
 turn behind the others), then the job's priority (lower first), its deadline (the
-completion window orders one owner's jobs only), its age, and the shard's index.
+completion window orders one owner's jobs only), then a shard of a group this worker served
+last (``prefer``: its prefix cache holds that prefix; ``worker.jobs.shard_cut``), then the job's
+age and the shard's index. A preference only orders the pending shards: the lease is taken as
+for any other shard, and a turn with no preferred shard pending takes the next one at once.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.engine import Engine
 
 from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
@@ -27,6 +30,7 @@ class ShardChoice:
     job_id: str
     shard_index: int
     owner: str
+    group_key: str | None = None  # the prefix its lines share (grouped jobs)
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,9 @@ class Pick:
     waiting_owners: int
 
 
-def next_shard(db: Engine, model: str, *, full: Collection[str] = ()) -> Pick:
-    """The pending shard of ``model`` whose turn it is, skipping the owners in ``full``."""
+def next_shard(db: Engine, model: str, *, full: Collection[str] = (), prefer: Collection[str] = ()) -> Pick:
+    """The pending shard of ``model`` whose turn it is, skipping the owners in ``full``;
+    ``prefer``: group keys this worker served last."""
     waiting_cond = (
         Job.model == model,
         Job.status == JobStatus.in_progress,
@@ -69,18 +74,19 @@ def next_shard(db: Engine, model: str, *, full: Collection[str] = ()) -> Pick:
         if not candidates:
             return Pick(None, len(waiting))
         owner = min(candidates, key=lambda o: (running.get(o, 0), waiting[o], o))
+        affinity = [case((Shard.group_key.in_(list(prefer)), 0), else_=1)] if prefer else []
         row = conn.execute(
-            select(Shard.job_id, Shard.shard_index).join(Job, Shard.job_id == Job.id)
+            select(Shard.job_id, Shard.shard_index, Shard.group_key).join(Job, Shard.job_id == Job.id)
             .where(*waiting_cond, Job.owner == owner if owner else Job.owner.is_(None))
             .order_by(
-                Shard.failures, Job.priority, Job.expires_at.is_(None), Job.expires_at, Job.created_at,
+                Shard.failures, Job.priority, Job.expires_at.is_(None), Job.expires_at, *affinity, Job.created_at,
                 Shard.shard_index,
             )
             .limit(1)
         ).one_or_none()  # fmt: skip
     if row is None:  # taken meanwhile
         return Pick(None, len(waiting))
-    return Pick(ShardChoice(row.job_id, row.shard_index, owner), len(waiting))
+    return Pick(ShardChoice(row.job_id, row.shard_index, owner, row.group_key), len(waiting))
 
 
 def job_owner(db: Engine, job_id: str) -> str:

@@ -27,14 +27,16 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from worker.batchio.line_reader import ByteStream
+from worker.batchio.prefix_signature import grouping_key
 from worker.batchio.records import InputError, InputFormat
 from worker.batchio.request_body import CHAT
 from worker.batchio.request_options import RequestOptions
 from worker.core.limits import completion_window_seconds
 from worker.core.settings import Settings
 from worker.jobs import object_keys
+from worker.jobs.cache_salt import cache_salt
 from worker.jobs.finalize import finalize_if_ready
-from worker.jobs.intake import IntakeResult, ingest
+from worker.jobs.intake import Grouping, IntakeResult, ingest
 from worker.jobs.lifecycle import JobNotFound, cancel_job, get_job
 from worker.jobs.model_names import canonical_model
 from worker.store.database import make_sessionmaker
@@ -57,6 +59,12 @@ class SubmitOptions:
     completion_window: str | None = None  # None: CONVEYOR_COMPLETION_WINDOW
     # Chat, system prompt and sampling defaults for every line (checked by ``check_options``).
     request_options: RequestOptions = field(default_factory=RequestOptions)
+    # ``prefix`` (lines grouped by shared prefix) or ``input`` (consecutive runs); None:
+    # CONVEYOR_SHARD_ORDER.
+    shard_order: str | None = None
+
+
+SHARD_ORDERS = ("prefix", "input")
 
 
 # OpenAI's rules for a batch's metadata.
@@ -101,7 +109,23 @@ def check_options(settings: Settings, options: SubmitOptions) -> tuple[str, int,
             f"priority must be an integer from 0 to {settings.max_priority} (CONVEYOR_MAX_PRIORITY), got {priority!r}"
         )
     options.request_options.check(settings.input_limits())
+    if options.shard_order is not None and options.shard_order not in SHARD_ORDERS:
+        raise ValueError(f"shard order must be one of {', '.join(SHARD_ORDERS)}, got {options.shard_order!r:.40}")
     return model, shard_size, priority
+
+
+def _shard_order(settings: Settings, options: SubmitOptions) -> str:
+    return settings.shard_order if options.shard_order is None else options.shard_order
+
+
+def _grouping(
+    settings: Settings, shard_order: str | None, job_id: str, owner: str | None, model: str
+) -> Grouping | None:
+    """How intake groups the job's lines (None: in input order)."""
+    if shard_order != "prefix":
+        return None
+    key = grouping_key(cache_salt(settings, job_id, owner), model)
+    return Grouping(key, settings.prefix_sort_memory_mb << 20)
 
 
 def _window(settings: Settings, options: SubmitOptions) -> tuple[str, float]:
@@ -138,7 +162,7 @@ def submit_job(
                 input_uri=job_store.uri(object_keys.input_key(fmt.value)),
                 request_options=options.request_options.to_json(), model_name=options.model.strip(),
                 completion_window=window, created_at=created, updated_at=created,
-                expires_at=created + window_seconds,
+                expires_at=created + window_seconds, shard_order=_shard_order(settings, options),
             )
         )  # fmt: skip
     if on_created is not None:
@@ -147,6 +171,7 @@ def submit_job(
         intake = ingest(
             source, job_store, job_id, limits=settings.input_limits(), input_format=fmt,
             shard_size=shard_size, max_shards=settings.max_shards_per_job, options=options.request_options,
+            grouping=_grouping(settings, _shard_order(settings, options), job_id, None, model),
         )  # fmt: skip
     except InputError as exc:
         _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
@@ -220,6 +245,7 @@ def create_job(
                     expires_at=created + window_seconds, owner=owner, input_file_id=input_file_id,
                     idempotency_key=idempotency_key, notify=notify,
                     request_options=options.request_options.to_json(), model_name=options.model.strip(),
+                    shard_order=_shard_order(settings, options),
                 )
             )  # fmt: skip
     except IntegrityError:
@@ -249,9 +275,16 @@ def ingest_job(
     caller retries)."""
     with db.connect() as conn:
         row = conn.execute(
-            select(Job.status, Job.input_uri, Job.input_format, Job.shard_size, Job.request_options).where(
-                Job.id == job_id
-            )
+            select(
+                Job.status,
+                Job.input_uri,
+                Job.input_format,
+                Job.shard_size,
+                Job.request_options,
+                Job.shard_order,
+                Job.owner,
+                Job.model,
+            ).where(Job.id == job_id)
         ).one_or_none()
     if row is None:
         raise JobNotFound(f"no job {job_id}")
@@ -270,6 +303,7 @@ def ingest_job(
                 source, job_store, job_id, limits=settings.input_limits(), input_format=fmt,
                 shard_size=row.shard_size, max_shards=settings.max_shards_per_job, copy_input=False,
                 options=RequestOptions.from_json(row.request_options),
+                grouping=_grouping(settings, row.shard_order, job_id, row.owner, row.model),
             )  # fmt: skip
         except InputError as exc:
             _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
@@ -295,6 +329,7 @@ def _start(
                 failed_requests=intake.invalid,
                 num_shards=len(intake.shards),
                 endpoint=intake.endpoint or CHAT,
+                prefix_estimate=None if intake.prefix is None else intake.prefix.to_json(),
                 updated_at=t,
             )
         ).rowcount
@@ -306,6 +341,7 @@ def _start(
                     {
                         "job_id": job_id, "shard_index": p.index, "first_line": p.first_line,
                         "last_line": p.last_line, "num_items": p.num_items, "status": ShardStatus.pending,
+                        "group_key": p.group_key,
                         "input_uri": job_store.uri(object_keys.shard_input_key(p.index)),
                         "heartbeat_at": t, "created_at": t,
                     }

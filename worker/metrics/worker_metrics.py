@@ -1,5 +1,6 @@
 """A worker process's metrics: what its shards stored (``item_metrics``), its engine now
-(``engine_collector``), its cold start (``cold_start_collector``), the database's jobs and
+(``engine_collector``), its cold start (``cold_start_collector``), its shard turns' affinity
+hits (``affinity_collector``), the database's jobs and
 shards (``db_collector``), and the process itself (CPU, memory, file descriptors, GC), in
 one registry, served at ``/metrics`` while ``CONVEYOR_METRICS_PORT`` is set (``conveyor
 worker --metrics-port``), beside the process's ``/healthz`` and ``/readyz``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from worker.execution.context import WorkerContext
 from worker.jobs.catalog import declared_models
+from worker.metrics.affinity_collector import AffinityCollector
 from worker.metrics.cold_start_collector import ColdStartCollector
 from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from worker.metrics.engine_collector import EngineCollector
@@ -36,6 +38,7 @@ class WorkerMetrics:
         self.registry.register(EngineCollector(ctx.host_stats, ctx.model))
         self.registry.register(FairShareCollector(ctx.host_stats, ctx.model))
         self.registry.register(ColdStartCollector(lambda: ctx.cold_start, ctx.model))
+        self.registry.register(AffinityCollector(ctx.affinity, ctx.model))
         self._db = metrics_db_engine(s.database)
         self.registry.register(
             DatabaseCollector(

@@ -189,6 +189,12 @@ class Job(Base):
     # The model as the job was submitted (``model`` is canonical: a local path made absolute);
     # the results' ``model`` field, as OpenAI's responses carry the requested model.
     model_name: Mapped[str | None] = mapped_column(String(MODEL_LEN))
+    # How its lines were cut into shards: ``prefix`` (grouped by shared prefix: a shard is a set
+    # of lines, its results are merged by line) or ``input`` (consecutive runs); NULL: ``input``.
+    shard_order: Mapped[str | None] = mapped_column(String(16))
+    # The intake's estimate of the prompts' shared prefix (grouped jobs): canonical prompt bytes
+    # and the bytes each line shares with its neighbour in sorted order.
+    prefix_estimate: Mapped[dict[str, Any] | None] = mapped_column(NullableJSONType)
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
@@ -262,7 +268,23 @@ class Job(Base):
             "shard_size": self.shard_size,
             "num_shards": self.num_shards,
             "request_options": self.request_options_shown(),
+            "shard_order": self.shard_order or "input",
+            "prefix": self.prefix_shown(),
             "progress": None,  # a live job's, filled in by ``worker.jobs.progress``
+        }
+
+    def prefix_shown(self) -> dict[str, Any]:
+        """Prefill computed against prompt tokens, and the intake's estimate of the shared
+        prefix (the fraction of prompt bytes a prefix cache need not compute)."""
+        prompt, cached = self.prompt_tokens or 0, self.cached_tokens or 0
+        est = self.prefix_estimate or {}
+        prompt_bytes = est.get("prompt_bytes") or 0
+        return {
+            "prompt_tokens": prompt,
+            "prefill_tokens_computed": prompt - cached,
+            "estimated_shared_prefix": round(est.get("shared_prefix_bytes", 0) / prompt_bytes, 4)
+            if prompt_bytes
+            else None,
         }
 
     def request_options_shown(self) -> dict[str, Any]:
@@ -277,8 +299,10 @@ class Job(Base):
 
 
 class Shard(Base):
-    """A run of a job's valid requests: ``num_items`` of them, from input line ``first_line``
-    to ``last_line`` (1-based, inclusive; rejected lines in between are not part of it)."""
+    """A set of a job's valid requests: ``num_items`` of them (listed in its input file), the
+    smallest input line ``first_line`` and the largest ``last_line`` (1-based). A job cut in
+    input order has consecutive runs (rejected lines in between are not part of one); a job
+    grouped by prefix has sets whose lines interleave with other shards'."""
 
     __tablename__ = "shards"
 
@@ -305,12 +329,18 @@ class Shard(Base):
     # Unused since failed items are read from the database (no errors part file is written).
     error_uri: Mapped[str | None] = mapped_column(String(URI_LEN))
     error: Mapped[str | None] = mapped_column(Text)  # why the shard failed, if it did
+    # Grouped by prefix: the prefix its lines share (``worker.jobs.shard_cut``); a worker that
+    # served it prefers a pending shard with the same key, its prefix cache holding it.
+    group_key: Mapped[str | None] = mapped_column(String(32))
 
     created_at: Mapped[float] = mapped_column(Double, default=now)
     started_at: Mapped[float | None] = mapped_column(Double)
     finished_at: Mapped[float | None] = mapped_column(Double)
 
-    __table_args__ = (Index("ix_shards_status_lease", "status", "lease_expires_at"),)
+    __table_args__ = (
+        Index("ix_shards_status_lease", "status", "lease_expires_at"),
+        Index("ix_shards_group_status", "group_key", "status"),
+    )
 
 
 class Item(Base):

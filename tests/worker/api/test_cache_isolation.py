@@ -13,7 +13,7 @@ import openai
 from tests.worker.api_batches import MODEL, wait_batch
 from tests.worker.helpers import jsonl
 from worker.core.settings import Settings
-from worker.execution.cache_salt import cache_salt
+from worker.jobs.cache_salt import cache_salt
 
 COMPLETIONS: Final = "/v1/completions"
 BEFORE = "Account notes for the branch office. The customer asked us to keep this on file. " * 2

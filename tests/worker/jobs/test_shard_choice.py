@@ -73,3 +73,25 @@ def test_within_one_owner_priority_then_deadline_then_age(db_engine) -> None:
         set_running(db_engine, choice.job_id, choice.shard_index)
     assert order == ["batch_urgent", "batch_soon", "batch_late"]
     assert next_shard(db_engine, "m").choice is None
+
+
+def test_a_shard_of_a_group_served_last_goes_first_within_the_owner_and_nothing_waits_for_it(db_engine) -> None:
+    t = time.time()
+    add_job(db_engine, "batch_old", "k", 2, created_at=t - 100, expires_at=t + 3600)
+    add_job(db_engine, "batch_new", "k", 2, created_at=t, expires_at=t + 3600)
+    with Session(db_engine) as session, session.begin():
+        for job_id, index, key in [("batch_old", 0, "g1"), ("batch_old", 1, "g2"), ("batch_new", 1, "g9")]:
+            shard = session.get(Shard, (job_id, index))
+            assert shard is not None
+            shard.group_key = key
+    # With nothing preferred: the older job first, as always.
+    assert next_shard(db_engine, "m").choice == ShardChoice("batch_old", 0, "k", "g1")
+    # A worker that just served g9 takes g9's shard from the newer job before the older job's.
+    assert next_shard(db_engine, "m", prefer=["g9"]).choice == ShardChoice("batch_new", 1, "k", "g9")
+    assert next_shard(db_engine, "m", prefer=["g2", "g7"]).choice == ShardChoice("batch_old", 1, "k", "g2")
+    # A preferred group with nothing pending: the next shard in the usual order, at once.
+    set_running(db_engine, "batch_new", 1)
+    assert next_shard(db_engine, "m", prefer=["g9"]).choice == ShardChoice("batch_old", 0, "k", "g1")
+    # Priority still comes before affinity.
+    add_job(db_engine, "batch_urgent", "k", 1, created_at=t, expires_at=t + 3600, priority=-1)
+    assert next_shard(db_engine, "m", prefer=["g2"]).choice == ShardChoice("batch_urgent", 0, "k")
