@@ -4,8 +4,8 @@ A reasoning model's thinking tokens, counted per item (they are part of its
 ``completion_tokens``) and summed on the job at finalisation, for the batch's
 ``usage.output_tokens_details.reasoning_tokens``. Rows written before are 0.
 
-Revision ID: 0012_reasoning_tokens
-Revises: 0008_job_request_options
+Revision ID: 0010_reasoning_tokens
+Revises: 0009_shard_groups
 Create Date: 2026-11-26
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0012_reasoning_tokens"
-down_revision: str | None = "0008_job_request_options"
+revision: str = "0010_reasoning_tokens"
+down_revision: str | None = "0009_shard_groups"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
