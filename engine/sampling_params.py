@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.pooling_params import PoolingParams
 from engine.structured_outputs import StructuredOutputs
 from engine.text_checks import check_text
 
@@ -66,6 +67,9 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's ``cache_salt``): mixed into the root of the request's block
     # hash chain, so it reuses cached blocks only of requests with the same salt (None: unsalted).
     cache_salt: str | None = None
+    # An embedding request: the prompt is pooled into one vector (``RequestOutput.embedding``)
+    # instead of generating; the sampling fields are then ignored (``engine.pooling``).
+    pooling: PoolingParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +106,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise ValueError(f"pooling must be PoolingParams or None, got {type(self.pooling).__name__}")
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not self.cache_salt:
                 raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
