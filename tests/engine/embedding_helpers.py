@@ -4,6 +4,7 @@ the comparison with sentence-transformers' own ``encode``."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ def reference_vectors(path: str, texts: list[str], dimensions: int | None = None
     return model.encode(texts, convert_to_tensor=True, truncate_dim=dimensions, normalize_embeddings=normalize).float()
 
 
-def assert_same_vectors(got: list[list[float] | None], want: torch.Tensor) -> None:
+def assert_same_vectors(got: Sequence[list[float] | None], want: torch.Tensor) -> None:
     """Cosine at least 0.99999 and the same norm, vector by vector."""
     assert len(got) == len(want)
     for i, (vec, ref) in enumerate(zip(got, want, strict=True)):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker.batchio.embeddings_body import EMBEDDINGS, EmbeddingInput, parse_embeddings_body
 from worker.batchio.request_body import (
     CHAT,
     COMPLETIONS,
@@ -56,11 +57,12 @@ class InputTooLarge(InputError):
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One valid input line. Exactly one of ``prompt`` / ``messages`` is set."""
+    """One valid input line. Exactly one of ``prompt`` / ``messages`` / ``inputs`` (an
+    embeddings request's) is set."""
 
     line: int  # 1-based line number in the input file (CSV: the record's first line)
     custom_id: str
-    endpoint: str  # CHAT or COMPLETIONS
+    endpoint: str  # CHAT, COMPLETIONS or EMBEDDINGS
     sampling: dict[str, Any]  # SamplingParams(**sampling)
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
@@ -70,12 +72,16 @@ class ParsedRequest:
     # sent as it is (False), or rendered when the model has a template (None: auto).
     chat: bool | None = False
     system_prompt: str | None = None  # the system message in front of a prompt rendered as chat
+    inputs: list[EmbeddingInput] | None = None  # an embeddings request's inputs, one vector each
+    encoding_format: str | None = None  # ... and how its vectors are written (float, base64)
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
         data: dict[str, Any] = {"line": self.line, "custom_id": self.custom_id, "endpoint": self.endpoint}
         if self.messages is not None:
             data["messages"] = self.messages
+        elif self.inputs is not None:
+            data["inputs"], data["encoding_format"] = self.inputs, self.encoding_format
         else:
             data["prompt"] = self.prompt
         data["sampling"] = self.sampling
@@ -105,6 +111,8 @@ class ParsedRequest:
             tools=ToolRequest.from_json(data["tools"]) if data.get("tools") else None,
             chat=data.get("chat", False),
             system_prompt=data.get("system_prompt"),
+            inputs=data.get("inputs"),
+            encoding_format=data.get("encoding_format"),
         )
 
 
@@ -177,7 +185,11 @@ def request_from_object(
     else:  # a plain dataset row
         custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
         body, strict, plain = options.body_with_defaults(obj), False, True
-        endpoint = CHAT if "messages" in obj else COMPLETIONS
+        endpoint = CHAT if "messages" in obj else EMBEDDINGS if "input" in obj and "prompt" not in obj else COMPLETIONS
+    if endpoint == EMBEDDINGS:
+        # The job's sampling defaults are for generation: an embeddings body is read as sent.
+        inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=strict)
+        return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
     if endpoint == CHAT:
         if "messages" not in body:
             raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")

@@ -15,7 +15,7 @@ from worker.batchio.output_lines import Choice, response_body, stable_id
 from worker.batchio.records import ParsedRequest
 from worker.batchio.request_body import CHAT
 from worker.batchio.tools import ToolRequest, answer
-from worker.execution.engine_host import Completion
+from worker.execution.engine_host import Completion, PromptList
 from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
 
@@ -46,6 +46,8 @@ def engine_prompt(req: ParsedRequest, *, chat_template: bool = False) -> Any:
     tokenizer has one, so a ``prompt`` row in auto chat mode is rendered through it (as one
     user message after the job's system prompt); the engine renders messages, once.
     ``ValueError`` when the job asks for chat and the model has no template."""
+    if req.inputs is not None:
+        return PromptList(list(req.inputs))
     if req.messages is not None:
         return {"messages": req.messages, "tools": req.tools.tools} if req.tools else {"messages": req.messages}
     if req.chat is True and not chat_template:
