@@ -128,3 +128,32 @@ def test_base64_and_float_carry_the_same_numbers() -> None:
     raw = base64.b64decode(encoded)
     assert list(struct.unpack("<8f", raw)) == pytest.approx(vec, rel=1e-6)
     assert encode_vector(vec, "float") == vec
+
+
+def test_results_export_as_parquet_one_row_per_vector(st_root, env, tmp_path, capsys) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from worker.batchio.embeddings_parquet import write_embeddings_parquet
+    from worker.entrypoints.client import Client
+
+    model = sentence_transformers_model(st_root, "qwen3", "last", True)
+    lines = [_line("a", {"input": TEXTS}), _line("b", {"input": TEXTS[0], "encoding_format": "base64"})]
+    results, _ = _run(env, tmp_path, model, lines, capsys)
+    job = Client().jobs(limit=1)[0]["id"]
+    out = tmp_path / "vectors.parquet"
+    assert main(["results", job, "--format", "parquet", "-o", str(out)]) == 0
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 64)
+    rows = table.to_pylist()
+    want = [(r["custom_id"], i, v) for r in results for i, v in enumerate(_vectors(r["response"]["body"]))]
+    assert [(r["custom_id"], r["index"]) for r in rows] == [(c, i) for c, i, _ in want]
+    for row, (_, _, vec) in zip(rows, want, strict=True):
+        assert row["embedding"] == pytest.approx(vec, rel=1e-6)
+    # Streamed a row group at a time: memory holds one group, whatever the job's size.
+    small = tmp_path / "small.parquet"
+    raw = [json.dumps(r).encode() + b"\n" for r in results]
+    assert write_embeddings_parquet(raw, small, rows_per_group=2) == len(rows)
+    assert pq.ParquetFile(small).num_row_groups == 3
+    assert main(["results", job, "--format", "parquet"]) != 0  # no -o
+    assert "give -o FILE" in capsys.readouterr().err
