@@ -20,6 +20,7 @@ import torch
 from engine.batch import LogitsOf, RowPlan, StepRows
 from engine.config import EngineConfig
 from engine.pooling_config import PoolingConfig, ResolvedPooling, read_pooling_config
+from engine.pooling_params import PoolingParams
 from engine.pooling_state import PoolingState
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class EngineEmbedding:
         state (None for generation); ``ValueError`` when this engine cannot embed it."""
         if params.pooling is None:
             return params, None
+        assert isinstance(params.pooling, PoolingParams)  # SamplingParams turned a dict into one
         if self.refusal is not None or self.config is None:
             raise ValueError(f"this model cannot embed: {self.refusal}")
         if params.n != 1:

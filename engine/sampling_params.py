@@ -68,8 +68,9 @@ class SamplingParams:
     # hash chain, so it reuses cached blocks only of requests with the same salt (None: unsalted).
     cache_salt: str | None = None
     # An embedding request: the prompt is pooled into one vector (``RequestOutput.embedding``)
-    # instead of generating; the sampling fields are then ignored (``engine.pooling``).
-    pooling: PoolingParams | None = None
+    # instead of generating; the sampling fields are then ignored (``engine.pooling``). A dict
+    # of its fields is taken too.
+    pooling: PoolingParams | dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,11 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        if isinstance(self.pooling, dict):
+            try:
+                self.pooling = PoolingParams(**self.pooling)
+            except TypeError as exc:
+                raise ValueError(f"pooling: {exc}") from None
         if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
             raise ValueError(f"pooling must be PoolingParams or None, got {type(self.pooling).__name__}")
         if self.cache_salt is not None:
