@@ -24,6 +24,24 @@ from engine.step_result import StepResult
 LogitsOf = Callable[[list[int]], torch.Tensor]
 
 
+class StepRows:
+    """A step's final hidden states: ``rows(ids)`` their logits, ``hidden(ids)`` the states
+    themselves (what pooling reads). Executors that keep no hidden states (tensor
+    parallelism's gathered logits) hand back a plain ``LogitsOf``."""
+
+    def __init__(self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._hidden = hidden
+        self._compute_logits = compute_logits
+
+    def hidden(self, rows: list[int]) -> torch.Tensor:
+        h = self._hidden
+        # Every row (always so for decodes), or a subset.
+        return h if len(rows) == h.shape[0] else h[torch.tensor(rows, device=h.device)]
+
+    def __call__(self, rows: list[int]) -> torch.Tensor:
+        return self._compute_logits(self.hidden(rows))
+
+
 @dataclass
 class RowPlan:
     """The rows of one request's chunk a hook wants, with what it needs to use them."""

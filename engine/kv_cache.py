@@ -229,8 +229,9 @@ class KVCacheManager:
         """The longest cached prefix of ``req``'s tokens: its blocks and token count.
 
         The last token is always left to compute: its logits are needed to sample. A request
-        still owed prompt logprobs computes its whole prompt: cached tokens have no logits."""
-        if not self.enable_caching or req.num_prompt_logprobs_missing:
+        still owed prompt logprobs, or pooling more than its last token, computes its whole
+        prompt: cached tokens have no logits or hidden states."""
+        if not self.enable_caching or req.needs_every_prompt_row:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)

@@ -10,7 +10,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -82,6 +83,22 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[(rid, index)] for rid, p in zip(ids, params, strict=True) for index in range(p.n)]
+
+    def embed(
+        self,
+        texts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingOutput]:
+        """One vector per input (a string or token ids), in input order, pooled as the
+        checkpoint's sentence-transformers files say unless ``pooling_params`` overrides
+        them. An input the engine rejects gets an empty vector and the reason in ``error``."""
+        params = SamplingParams(pooling=pooling_params or PoolingParams())
+        return [
+            EmbeddingOutput(out.embedding or [], len(out.prompt_token_ids), out.error)
+            for out in self.generate(texts, params, use_tqdm=use_tqdm)
+        ]
 
 
 def _error_output(request_id: str, index: int, message: str) -> RequestOutput:

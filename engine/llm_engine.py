@@ -22,6 +22,7 @@ from engine.kv_cache import window_release
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from engine.outputs import RequestOutput
+from engine.pooling import embedding_support
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -146,6 +147,7 @@ class LLMEngine:
         self.vocab_size = self.model_spec.vocab_size
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.sampler.structured = self.structured
+        self.embedding = embedding_support(model_path, self.model_spec.hidden_size, config)
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -181,6 +183,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params, pooling = self.embedding.request(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if deadline is not None:
@@ -238,6 +241,7 @@ class LLMEngine:
                     ),
                     prompt_text=text,
                     grammar=gate_for(params, ids, new_matcher(), self._encode_delimiter),
+                    pooling=pooling,
                 )
             )
         self._groups[request_id] = children
@@ -409,6 +413,7 @@ class LLMEngine:
             prompt_logprobs=_snapshot(req.prompt_logprobs),
             error=req.error,
             prompt=req.prompt_text,
+            embedding=req.embedding,
         )
 
     def shutdown(self) -> None:

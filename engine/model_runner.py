@@ -22,7 +22,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.selector import create_backend
 from engine.attention.triton_backend import TritonAttention
-from engine.batch import LogitsOf, RowHook, build_batch
+from engine.batch import LogitsOf, RowHook, StepRows, build_batch
 from engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_cache_torch_dtype
 from engine.cuda_graphs import DecodeGraphs, graphs_apply
 from engine.distributed import parallel_state
@@ -33,6 +33,7 @@ from engine.models.kv_layout import KVLayout
 from engine.models.llama import kernel_ops, use_kernel_ops
 from engine.models.loader import load_model
 from engine.models.model_config import ModelSpec
+from engine.pooling import PoolingHook
 from engine.prompt_logprobs import PromptLogprobsHook
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
@@ -108,8 +109,8 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.kv_budget_source,
         )
-        # Add-ons that want more rows' logits than the sampled ones (``engine.batch``).
-        self.row_hooks: list[RowHook] = [PromptLogprobsHook()]
+        # Add-ons that want more rows than the sampled ones (``engine.batch``): prompt logprobs, pooling.
+        self.row_hooks: list[RowHook] = [PromptLogprobsHook(), PoolingHook()]
         self.graphs: DecodeGraphs | None = None
         self.executor: Executor = choose_executor(self, self.ranks, None)
         if graphs_apply(self.device, config.model.enforce_eager, self._why_no_graphs()):
@@ -216,14 +217,8 @@ class ModelRunner:
         return result
 
     def logits_of(self, hidden: torch.Tensor) -> LogitsOf:
-        """``logits_of(rows)`` over this step's hidden states."""
-
-        def of(rows: list[int]) -> torch.Tensor:
-            # Every row (always so for decodes), or a subset.
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
-            return self.model.compute_logits(picked)
-
-        return of
+        """``logits_of(rows)`` over this step's hidden states (which it keeps, for pooling)."""
+        return StepRows(hidden, self.model.compute_logits)
 
     def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """One step's forward pass on any rank; the sampled rows' logits (rank 0's: the whole

@@ -68,3 +68,15 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     prompt: str | None = field(default=None, repr=False)
+    # An embedding request's vector (``SamplingParams.pooling``), in its finished output.
+    embedding: list[float] | None = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    """``LLM.embed``'s result for one input: its vector and how many tokens the input was.
+    An input the engine rejects has an empty ``embedding`` and the reason in ``error``."""
+
+    embedding: list[float]
+    num_prompt_tokens: int
+    error: str | None = None

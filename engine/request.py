@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.pooling_state import PoolingState
     from engine.structured_outputs import Constraint
 
 
@@ -62,6 +63,7 @@ class Request:
         "num_prompt_tokens",
         "output_token_ids",
         "params",
+        "pooling",
         "priority",
         "prompt_logprobs",
         "prompt_text",
@@ -94,6 +96,7 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         prompt_text: str | None = None,
         grammar: Constraint | None = None,
+        pooling: PoolingState | None = None,
     ) -> None:
         # The engine's own id for this sequence (unique, one per sample of an ``n > 1``
         # request), and the caller's id that its outputs carry (shared by those samples).
@@ -132,6 +135,7 @@ class Request:
         self.final_text: str | None = None
         # The structured-output matcher (or a thinking request's ``ThinkingGate``), fed every kept token.
         self.grammar = grammar
+        self.pooling = pooling  # an embedding request's pooling and vector (``engine.pooling``)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # One entry per prompt token as they are computed (the first token has none: None).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
@@ -163,6 +167,19 @@ class Request:
         if self.prompt_logprobs is None:
             return 0
         return self.num_prompt_tokens - len(self.prompt_logprobs)
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether each prompt token's final hidden state is still to be read (prompt logprobs
+        owed, or pooling over more than the last token): none may come from the prefix cache."""
+        return bool(self.num_prompt_logprobs_missing) or (
+            self.pooling is not None and self.pooling.params.needs_every_row
+        )
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """An embedding request's vector, once its prompt is computed."""
+        return self.pooling.embedding if self.pooling is not None else None
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.pooling_params import PoolingParams
 from engine.structured_outputs import StructuredOutputs
 from engine.text_checks import check_text
 
@@ -72,6 +73,10 @@ class SamplingParams:
     thinking_delimiters: tuple[str, str] | list[str] | None = None
     # At most this many thinking tokens, then the closing delimiter is forced (vLLM's name).
     thinking_token_budget: int | None = None
+    # An embedding request: the prompt is pooled into one vector (``RequestOutput.embedding``)
+    # instead of generating; the sampling fields are then ignored (``engine.pooling``). A dict
+    # of its fields is taken too.
+    pooling: PoolingParams | dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +124,13 @@ class SamplingParams:
                     raise ValueError(f"thinking_delimiters must be non-empty strings, got {text!r}")
                 check_text(text, "thinking_delimiters")
             self.thinking_delimiters = (pair[0], pair[1])
+        if isinstance(self.pooling, dict):
+            try:
+                self.pooling = PoolingParams(**self.pooling)
+            except TypeError as exc:
+                raise ValueError(f"pooling: {exc}") from None
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise ValueError(f"pooling must be PoolingParams or None, got {type(self.pooling).__name__}")
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not self.cache_salt:
                 raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")

@@ -624,3 +624,27 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def add_sentence_transformers_files(path: str | Path, pooling: str, normalize: bool, max_seq_length: int = 512) -> Path:
+    """Make the checkpoint at ``path`` a sentence-transformers model: ``modules.json`` with a
+    Transformer, a Pooling module (``last``, ``mean`` or ``cls``) and, with ``normalize``, a
+    Normalize module, as ``SentenceTransformer.save`` writes them."""
+    path = Path(path)
+    flags = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+    hidden = json.loads((path / "config.json").read_text())["hidden_size"]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+    )
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    pooling_config = {"word_embedding_dimension": hidden, **{flag: mode == pooling for mode, flag in flags.items()}}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    return path

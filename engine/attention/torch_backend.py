@@ -134,10 +134,11 @@ class TorchAttention(AttentionBackend):
                 tables = meta.block_tables[b]
                 kb = reference.gather_kv(k_cache, tables, seq_len).to(q.dtype)
                 vb = reference.gather_kv(v_cache, tables, seq_len).to(q.dtype)
-            kb = kb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            vb = vb.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+            # SDPA shares each KV head with its query group itself (``enable_gqa``): no copies.
+            kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.transpose(0, 1).unsqueeze(0)
+            gqa = group > 1
             if seq_len == q_len and sliding_window is None and softcap is None and sinks is None:
-                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
                 k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
@@ -145,10 +146,12 @@ class TorchAttention(AttentionBackend):
                 if sliding_window is not None:
                     visible &= k_pos > q_pos - sliding_window
                 if sinks is not None:
+                    kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
                     ob = _sink_attention(qb, kb, vb, visible, scale, sinks)
                 elif softcap is None:
-                    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale)
+                    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale, enable_gqa=gqa)
                 else:
+                    kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
                     ob = _softcapped_attention(qb, kb, vb, visible, scale, softcap)
             out[start : start + q_len] = ob[0].transpose(0, 1)
         return out

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import struct
 from typing import Any
 
-from openai.types import Completion
+from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 from openai.types.shared import ErrorObject
@@ -55,6 +57,19 @@ def _echoed_first_token_filled(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _base64_vectors_decoded(body: dict[str, Any]) -> dict[str, Any]:
+    """An embeddings body with its base64 vectors (``encoding_format: base64``) decoded as the
+    SDK decodes them (little-endian float32): its type holds lists of floats only."""
+    if body.get("object") != "list" or not any(isinstance(d.get("embedding"), str) for d in body["data"]):
+        return body
+    body = copy.deepcopy(body)
+    for item in body["data"]:
+        raw = base64.b64decode(item["embedding"], validate=True)
+        assert len(raw) % 4 == 0
+        item["embedding"] = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    return body
+
+
 def check_output_line(data: str, *, results: bool) -> BatchRequestOutput:
     """A line as OpenAI writes one: a response (its body typed by the SDK) or an error, never both."""
     line = BatchRequestOutput.model_validate(json.loads(data))
@@ -65,9 +80,13 @@ def check_output_line(data: str, *, results: bool) -> BatchRequestOutput:
         assert response.request_id.startswith("req_")
         if results:
             assert response.status_code == 200
-            kinds: dict[str, type[BaseModel]] = {"chat.completion": ChatCompletion, "response": Response}
+            kinds: dict[str, type[BaseModel]] = {
+                "chat.completion": ChatCompletion,
+                "response": Response,
+                "list": CreateEmbeddingResponse,
+            }
             kind = kinds.get(response.body["object"], Completion)
-            kind.model_validate(_echoed_first_token_filled(response.body), strict=True)
+            kind.model_validate(_base64_vectors_decoded(_echoed_first_token_filled(response.body)), strict=True)
         else:
             # A request that got an HTTP error: OpenAI's error body, typed for its status.
             assert 400 <= response.status_code < 600 and response.body.keys() == {"error"}

@@ -141,7 +141,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     settings, db = services.settings, services.db
     if req.endpoint not in ENDPOINTS:
         raise bad_request(
-            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {' and '.join(ENDPOINTS)}.",
+            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {', '.join(ENDPOINTS)}.",
             param="endpoint",
             code="invalid_value",
         )

@@ -98,8 +98,10 @@ def iter_csv(
             continue
         if header is None:
             header = [h.strip().lower() for h in row]
-            if "prompt" not in header and "messages" not in header:
-                raise InputError(f"the CSV header has no 'prompt' or 'messages' column (columns: {', '.join(header)})")
+            if not {"prompt", "messages", "input"} & set(header):
+                raise InputError(
+                    f"the CSV header has no 'prompt', 'messages' or 'input' column (columns: {', '.join(header)})"
+                )
             continue
         count += 1
         if count > limits.max_lines:
@@ -110,12 +112,14 @@ def iter_csv(
             continue
         obj: dict[str, Any] = {}
         for name, cell in zip(header, row, strict=False):  # a short row: missing cells are empty
-            obj[name] = cell if name in ("prompt", "custom_id", "id") else _csv_value(cell)
+            obj[name] = cell if name in ("prompt", "input", "custom_id", "id") else _csv_value(cell)
         obj = {k: v for k, v in obj.items() if v not in (None, "")}
         if isinstance(obj.get("messages"), str):  # not JSON: say so rather than "not a list"
             what = 'the messages cell must be a JSON list such as [{"role": "user", "content": "Hi"}]'
             yield LineError(line, "invalid_value", what, guess_custom_id(obj), "messages")
             continue
-        if "messages" not in obj:  # an empty prompt is that row's error, not a missing column
+        if "input" in header and "prompt" not in header:  # an embeddings row: an empty input is its error
+            obj["input"] = obj.get("input", "")
+        elif "messages" not in obj:  # an empty prompt is that row's error, not a missing column
             obj["prompt"] = obj.get("prompt", "")
         yield record_from_object(obj, line, limits, options)

@@ -78,8 +78,10 @@ def iter_parquet(
         except Exception as exc:
             raise InputError(f"cannot read the Parquet file: {exc}") from None
         columns = [name.lower() for name in parquet.schema_arrow.names]
-        if "prompt" not in columns and "messages" not in columns:
-            raise InputError(f"the Parquet file has no 'prompt' or 'messages' column (columns: {', '.join(columns)})")
+        if not {"prompt", "messages", "input"} & set(columns):
+            raise InputError(
+                f"the Parquet file has no 'prompt', 'messages' or 'input' column (columns: {', '.join(columns)})"
+            )
         row = 0
         batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
         while True:

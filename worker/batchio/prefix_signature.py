@@ -77,11 +77,13 @@ def canonical_prompt(request: ParsedRequest) -> bytes:
     else:
         if request.system_prompt is not None:
             parts.append("\x1esystem\x1f" + request.system_prompt + "\x1e")
-        prompt = request.prompt
-        if isinstance(prompt, list):  # token ids: their decimal text keeps the prefix relation
-            parts.append("\x1dids\x1f" + "".join(f"{t}," for t in prompt))
-        else:
-            parts.append(prompt or "")
+        # An embeddings line's inputs are prompts of their own; its first one leads the signature.
+        prompts: list[str | list[int] | None] = [*request.inputs] if request.inputs else [request.prompt]
+        for prompt in prompts:
+            if isinstance(prompt, list):  # token ids: their decimal text keeps the prefix relation
+                parts.append("\x1dids\x1f" + "".join(f"{t}," for t in prompt))
+            else:
+                parts.append((prompt or "") + ("\x1e" if request.inputs else ""))
     return "".join(parts).encode("utf-8", "surrogatepass")
 
 

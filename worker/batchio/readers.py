@@ -53,7 +53,7 @@ def _is_csv_header(line: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     names = next(csv.reader([text]), [])
-    return len(names) > 1 and bool({"prompt", "messages"} & {name.strip().lower() for name in names})
+    return len(names) > 1 and bool({"prompt", "messages", "input"} & {name.strip().lower() for name in names})
 
 
 def detect_format(filename: str, head: bytes = b"") -> InputFormat:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker.batchio.embeddings_body import EMBEDDINGS, EmbeddingInput, parse_embeddings_body
 from worker.batchio.request_body import (
     CHAT,
     COMPLETIONS,
@@ -61,11 +62,12 @@ class InputTooLarge(InputError):
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One valid input line. Exactly one of ``prompt`` / ``messages`` is set."""
+    """One valid input line. Exactly one of ``prompt`` / ``messages`` / ``inputs`` (an
+    embeddings request's) is set."""
 
     line: int  # 1-based line number in the input file (CSV: the record's first line)
     custom_id: str
-    endpoint: str  # CHAT, COMPLETIONS or RESPONSES (read as the chat request it amounts to)
+    endpoint: str  # CHAT, COMPLETIONS, EMBEDDINGS or RESPONSES (read as the chat request it amounts to)
     sampling: dict[str, Any]  # SamplingParams(**sampling)
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -81,12 +83,16 @@ class ParsedRequest:
     reasoning_effort: str | None = None
     # Responses: the request's fields a ``response`` object repeats (instructions, tools...).
     echoed: dict[str, Any] | None = None
+    inputs: list[EmbeddingInput] | None = None  # an embeddings request's inputs, one vector each
+    encoding_format: str | None = None  # ... and how its vectors are written (float, base64)
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
         data: dict[str, Any] = {"line": self.line, "custom_id": self.custom_id, "endpoint": self.endpoint}
         if self.messages is not None:
             data["messages"] = self.messages
+        elif self.inputs is not None:
+            data["inputs"], data["encoding_format"] = self.inputs, self.encoding_format
         else:
             data["prompt"] = self.prompt
         data["sampling"] = self.sampling
@@ -122,6 +128,8 @@ class ParsedRequest:
             template_kwargs=data.get("template_kwargs"),
             reasoning_effort=data.get("reasoning_effort"),
             echoed=data.get("echoed"),
+            inputs=data.get("inputs"),
+            encoding_format=data.get("encoding_format"),
         )
 
 
@@ -194,7 +202,11 @@ def request_from_object(
     else:  # a plain dataset row
         custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
         body, strict, plain = options.body_with_defaults(obj), False, True
-        endpoint = CHAT if "messages" in obj else COMPLETIONS
+        endpoint = CHAT if "messages" in obj else EMBEDDINGS if "input" in obj and "prompt" not in obj else COMPLETIONS
+    if endpoint == EMBEDDINGS:
+        # The job's sampling defaults are for generation: an embeddings body is read as sent.
+        inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=strict)
+        return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
     echoed = None
     if endpoint == RESPONSES:
         echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}

@@ -17,12 +17,13 @@ from typing import Any
 
 from worker.batchio import response_format as formats
 from worker.batchio.body_errors import InvalidRequest, shown
+from worker.batchio.embeddings_body import EMBEDDINGS
 from worker.batchio.responses_body import RESPONSES
 from worker.core.limits import InputLimits
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_SEED = 2**63 - 1

@@ -39,6 +39,7 @@ class InputLimits:
     # logit_bias entries: OpenAI's API reference states no bound; its API refuses more than 300.
     max_logit_bias: int = 300
     max_messages: int = 1024
+    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings line (OpenAI's limit)
     # Structured outputs and tools: a JSON Schema (response_format, a tool's parameters, all
     # of a request's tools together) as compact JSON, its nesting, a choice's entries, tools.
     max_schema_bytes: int = 64 * KiB

@@ -407,7 +407,22 @@ def cmd_results(args: argparse.Namespace) -> int:
             print(f"conveyor: waiting for shard {index + 1} of {num_shards}: {text}", file=sys.stderr, flush=True)
 
         lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow, on_wait=report)
+        if args.format == "parquet":
+            return _write_parquet(lines, args)
         _write_lines(lines, args.output, live=args.follow)
+    return 0
+
+
+def _write_parquet(lines: Iterable[bytes], args: argparse.Namespace) -> int:
+    from worker.batchio.embeddings_parquet import NotEmbeddings, write_embeddings_parquet
+
+    if args.output is None or args.errors:
+        raise UserError("--format parquet writes a job's embeddings to a file: give -o FILE (and no --errors)")
+    try:
+        count = write_embeddings_parquet(lines, args.output)
+    except NotEmbeddings as exc:
+        raise UserError(f"cannot export as Parquet: {exc}") from None
+    print(f"conveyor: wrote {count} vectors to {args.output}", file=sys.stderr)
     return 0
 
 
@@ -790,6 +805,13 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("job", help=JOB_HELP)
     results.add_argument("-o", "--output", help="write here instead of stdout")
     results.add_argument("--errors", action="store_true", help="the errors file instead")
+    results.add_argument(
+        "--format",
+        choices=("jsonl", "parquet"),
+        default="jsonl",
+        help="jsonl (the results file as it is) or parquet (an embeddings job's vectors: custom_id, index, "
+        "embedding as fixed-size float32 lists; needs -o)",
+    )
     results.add_argument(
         "--follow", action="store_true",
         help="stream a running job's results as shards finish (to -o FILE as they come), with its progress on stderr",

@@ -107,6 +107,16 @@ class HostStats:
     owners: tuple[OwnerLoad, ...] = ()
 
 
+@dataclass(frozen=True)
+class PromptList:
+    """Several prompts submitted as one request (an embeddings line's inputs): each runs as
+    its own engine request, and the handle resolves once all are done, with their outputs
+    in order (``Completion.outputs[i]`` is prompt ``i``'s). One prompt the engine refuses
+    refuses them all, naming it."""
+
+    prompts: list[Any]
+
+
 @dataclass
 class _Submission:
     handle: RequestHandle
@@ -116,6 +126,19 @@ class _Submission:
     deadline: float | None
     on_done: Callable[[RequestHandle], None] | None
     owner: str = ""
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engine's request ids of this submission."""
+        rid = self.handle.request_id
+        if isinstance(self.prompt, PromptList):
+            return [f"{rid}#{i}" for i in range(len(self.prompt.prompts))]
+        return [rid]
+
+    @property
+    def num_outputs(self) -> int:
+        """The finished outputs that complete it (also the sequences it holds in the engine)."""
+        return len(self.prompt.prompts) if isinstance(self.prompt, PromptList) else self.params.n
 
 
 @dataclass
@@ -155,6 +178,8 @@ class EngineHost:
         self._ids = itertools.count()
         self._prefix = f"h{os.getpid()}-{id(self) & 0xFFFF:x}-"
         self._live: dict[str, _Live] = {}  # loop thread only
+        # A ``PromptList``'s engine request ids -> (its handle's id, the prompt's index).
+        self._parts: dict[str, tuple[str, int]] = {}  # loop thread only
         self._feed: FairFeed[_Submission] = FairFeed()  # loop thread only
         # How many sequences (a request's ``n`` samples each) the engine holds at once: its
         # running batch; more requests wait in the feed.
@@ -265,7 +290,7 @@ class EngineHost:
                 if held is not None:  # aborted before it ever ran
                     self._resolve(held, Completion(request_id, aborted_before_start=True))
                 elif request_id in self._live:
-                    self._engine_call(self._engine.abort_request, request_id)
+                    self._engine_call(self._engine.abort_request, self._live[request_id].submission.engine_ids)
             self._admit()
             if self._engine_has_work():
                 self._step()
@@ -310,24 +335,37 @@ class EngineHost:
     def _drop_live(self, request_id: str) -> _Live:
         entry = self._live.pop(request_id)
         self._feed.done(entry.submission.owner)
-        self._live_seqs -= entry.submission.params.n
+        self._live_seqs -= entry.submission.num_outputs
+        if isinstance(entry.submission.prompt, PromptList):
+            for engine_id in entry.submission.engine_ids:
+                self._parts.pop(engine_id, None)
         return entry
 
     def _add(self, sub: _Submission) -> bool:
         """Give the engine ``sub``; False if it was resolved at once (refused or failed)."""
         rid = sub.handle.request_id
         _crash_if_poison(sub.prompt)
+        many = isinstance(sub.prompt, PromptList)
+        prompts = sub.prompt.prompts if isinstance(sub.prompt, PromptList) else [sub.prompt]
+        added: list[str] = []
         try:
-            self._engine.add_request(rid, sub.prompt, sub.params, priority=sub.priority, deadline=sub.deadline)
+            for engine_id, prompt in zip(sub.engine_ids, prompts, strict=True):
+                self._engine.add_request(engine_id, prompt, sub.params, priority=sub.priority, deadline=sub.deadline)
+                added.append(engine_id)
         except ValueError as exc:
-            self._resolve(sub, Completion(rid, rejected=True, error=str(exc)))
+            if added:  # their abort outputs come back unclaimed, and are skipped
+                self._engine_call(self._engine.abort_request, added)
+            message = f"input[{len(added)}]: {exc}" if many else str(exc)
+            self._resolve(sub, Completion(rid, rejected=True, error=message))
             return False
         except Exception as exc:
             log.exception("engine.add_request failed")
             self._resolve(sub, EngineFailure(f"the engine failed to take the request: {type(exc).__name__}: {exc}"))
             return False
         self._live[rid] = _Live(sub)
-        self._live_seqs += sub.params.n
+        self._live_seqs += sub.num_outputs
+        if many:
+            self._parts.update({engine_id: (rid, i) for i, engine_id in enumerate(added)})
         return True
 
     def _step(self) -> None:
@@ -342,20 +380,21 @@ class EngineHost:
             failure = EngineFailure(f"the engine failed during a step: {type(exc).__name__}: {exc}")
             for rid in list(self._live):
                 entry = self._drop_live(rid)
-                self._engine_call(self._engine.abort_request, rid)
+                self._engine_call(self._engine.abort_request, entry.submission.engine_ids)
                 self._resolve(entry.submission, failure)
             return
         for out in outputs:
             if not out.finished:
                 continue
-            live_entry = self._live.get(out.request_id)
+            rid, index = self._parts.get(out.request_id, (out.request_id, out.index))
+            live_entry = self._live.get(rid)
             if live_entry is None:  # a late abort of a request already failed
                 continue
-            live_entry.outputs[out.index] = out
-            if len(live_entry.outputs) == live_entry.submission.params.n:
-                self._drop_live(out.request_id)
+            live_entry.outputs[index] = out
+            if len(live_entry.outputs) == live_entry.submission.num_outputs:
+                self._drop_live(rid)
                 ordered = [live_entry.outputs[i] for i in sorted(live_entry.outputs)]
-                self._resolve(live_entry.submission, Completion(out.request_id, ordered))
+                self._resolve(live_entry.submission, Completion(rid, ordered))
 
     def _resolve(self, sub: _Submission, outcome: Completion | BaseException) -> None:
         if isinstance(outcome, BaseException):

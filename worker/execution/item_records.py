@@ -16,7 +16,7 @@ from worker.batchio.records import ParsedRequest
 from worker.batchio.request_body import CHAT
 from worker.batchio.responses_body import RESPONSES, response_object
 from worker.batchio.tools import ToolRequest, answer
-from worker.execution.engine_host import Completion
+from worker.execution.engine_host import Completion, PromptList
 from worker.execution.reasoning import NO_REASONING, Reasoning
 from worker.store.items import ItemRecord
 from worker.store.models import ItemStatus
@@ -48,6 +48,8 @@ def engine_prompt(req: ParsedRequest, *, chat_template: bool = False, reasoning:
     tokenizer has one, so a ``prompt`` row in auto chat mode is rendered through it (as one
     user message after the job's system prompt); the engine renders messages, once.
     ``ValueError`` when the job asks for chat and the model has no template."""
+    if req.inputs is not None:
+        return PromptList(list(req.inputs))
     if req.messages is not None:
         prompt: dict[str, Any] = {"messages": req.messages}
         if req.tools:

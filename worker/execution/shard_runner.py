@@ -55,6 +55,7 @@ from worker.batchio.records import ParsedRequest
 from worker.core.periodic import Periodic
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
+from worker.execution.embedding_records import embedding_record
 from worker.execution.engine_host import Completion, RequestHandle
 from worker.execution.item_records import (
     ItemContext,
@@ -497,6 +498,8 @@ class ShardRunner:
             return error_record(
                 self._item_ctx, req, code="aborted", message="the engine aborted the request", status_code=500
             )
+        if req.inputs is not None:
+            return embedding_record(self._item_ctx, req, completion)
         return completion_record(self._item_ctx, req, completion, pieces, decode, self._reasoning)
 
     def _job_stopping(self) -> bool:

@@ -109,7 +109,7 @@ def test_batch_creation_is_refused_with_400_naming_the_parameter(server) -> None
             assert error["code"] == code, error
         return error
 
-    assert "/v1/embeddings" in refused("endpoint", endpoint="/v1/embeddings")["message"]
+    assert "/v1/moderations" in refused("endpoint", endpoint="/v1/moderations")["message"]
     refused("completion_window", completion_window="2 weeks")
     refused("metadata", metadata={f"k{i}": "v" for i in range(17)})
     refused("metadata", metadata={"k": "v" * 513})

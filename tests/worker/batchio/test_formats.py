@@ -139,7 +139,7 @@ def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyP
         (b'{"prompt": "\xff"}\n', "invalid_encoding", "UTF-8"),
         (b'{"prompt": "ok"} \xff\xfe\n', "invalid_encoding", "UTF-8"),  # a file starting \xff\xfe is UTF-16
         (b"[" * 100_000 + b"\n", "line_too_long", "longer than"),
-        (batch_line(url="/v1/embeddings"), "invalid_value", "url must be one of"),
+        (batch_line(url="/v1/moderations"), "invalid_value", "url must be one of"),
         (batch_line(method="GET"), "invalid_value", 'method must be "POST"'),
         (batch_line(custom_id=None), "invalid_request", "custom_id must be a non-empty string"),
         (batch_line(custom_id=5), "invalid_request", "custom_id"),
@@ -239,7 +239,7 @@ def test_batch_lines_share_one_url_and_a_line_asking_for_another_is_its_own_erro
     # A line rejected for its body still fixes the url; a url we do not serve is only a line error.
     rows = parse(batch_line("a", body={"messages": []}), completion)
     assert [as_line_error(r).code for r in rows] == ["invalid_value", "url_mismatch"]
-    rows = parse(batch_line("x", url="/v1/embeddings"), completion, batch_line("y", url=None))
+    rows = parse(batch_line("x", url="/v1/moderations"), completion, batch_line("y", url=None))
     assert [type(r).__name__ for r in rows] == ["LineError", "ParsedRequest", "LineError"]
     # Plain rows may mix prompts and messages (each runs as its own endpoint).
     rows = parse({"prompt": "p"}, {"messages": [{"role": "user", "content": "x"}]})
@@ -338,7 +338,7 @@ def test_csv_with_a_prompt_column() -> None:
 
 
 def test_csv_without_a_prompt_column_is_refused() -> None:
-    with pytest.raises(InputError, match="no 'prompt' or 'messages' column"):
+    with pytest.raises(InputError, match="no 'prompt', 'messages' or 'input' column"):
         list(iter_input(io.BytesIO(b"text,id\nhello,1\n"), LIMITS, "csv"))
 
 

@@ -55,7 +55,7 @@ def test_messages_column_and_file_level_errors():
     table = {"messages": [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Soup?"}]]}
     entries = list(iter_input(io.BytesIO(_parquet(table)), InputLimits(), InputFormat.parquet))
     assert [as_request(e).messages for e in entries] == table["messages"]
-    with pytest.raises(InputError, match="no 'prompt' or 'messages' column"):
+    with pytest.raises(InputError, match="no 'prompt', 'messages' or 'input' column"):
         list(iter_input(io.BytesIO(_parquet({"text": ["x"]})), InputLimits(), InputFormat.parquet))
     with pytest.raises(InputError, match="cannot read the Parquet file"):
         list(iter_input(io.BytesIO(b"not parquet at all"), InputLimits(), InputFormat.parquet))
