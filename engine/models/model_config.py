@@ -86,12 +86,10 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
-    # gpt-oss: a learned per-head logit in every attention softmax (``sinks``), and its
-    # experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
-    attention_sinks: bool = False
     # SmolLM3: which layers turn their queries and keys with RoPE (None: every layer; the
     # others are NoPE layers).
     rope_layers: tuple[bool, ...] | None = None
+    # gpt-oss's experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3), whose cache holds latents
@@ -179,7 +177,6 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             moe=MoESpec.from_config(cfg),
             gemma4=g4,
-            attention_sinks=model_type == "gpt_oss",
             rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),

@@ -215,10 +215,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         return MLP(self.spec, dtype, device)
 
     # ---- the per-request state (``engine.state_cache``) -------------------------------
-    @property
-    def num_kv_layers(self) -> int:
-        return len(self.kv_layers)
-
     def state_bytes_per_seq(self) -> int:
         return self.lin.state_bytes(self.embed_tokens.element_size())
 

@@ -18,6 +18,7 @@ from typing import Any
 from worker.batchio import response_format as formats
 from worker.batchio.body_errors import InvalidRequest, shown
 from worker.batchio.embeddings_body import EMBEDDINGS
+from worker.batchio.reasoning_parsers import REASONING_EFFORTS
 from worker.batchio.responses_body import RESPONSES
 from worker.core.limits import InputLimits
 
@@ -257,8 +258,8 @@ def template_controls(body: Mapping[str, Any], limits: InputLimits) -> tuple[dic
                 raise _invalid("chat_template_kwargs", "keyed by template variable names", key)
         if len(json.dumps(kwargs)) > limits.max_schema_bytes:
             raise _invalid("chat_template_kwargs", f"at most {limits.max_schema_bytes} bytes as JSON", "...")
-    if effort is not None and effort not in ("minimal", "low", "medium", "high"):
-        raise _invalid("reasoning_effort", 'one of "low", "medium", "high"', effort)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise _invalid("reasoning_effort", " or ".join(f'"{e}"' for e in REASONING_EFFORTS), effort)
     return kwargs or None, effort
 
 
