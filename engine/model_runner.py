@@ -85,9 +85,9 @@ class ModelRunner:
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
         self.num_blocks = self._agreed_num_blocks()
-        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
+        shape = (spec.kv_cache_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.kv_cache_layers)]
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
         log.info(
@@ -127,7 +127,7 @@ class ModelRunner:
         if config.cache.num_kv_blocks is not None:
             self.kv_budget_source = "num_kv_blocks"
             return config.cache.num_kv_blocks
-        per_block = kv_block_bytes(spec.num_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
+        per_block = kv_block_bytes(spec.kv_cache_layers, self.block_size, self.num_kv_heads, spec.head_dim, self.dtype)
         per_block += self.extra_block_bytes
         elem = torch.empty((), dtype=self.dtype).element_size()
         # One step's activations, generously: hidden states, fused projections and logits.

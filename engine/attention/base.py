@@ -63,6 +63,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    meta: AttentionMetadata  # the step's batch, set by ``prepare``
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

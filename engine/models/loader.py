@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from engine.distributed.sharding import Shard
 from engine.models import gguf
+from engine.models.bert import BertEncoder
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
 from engine.models.registry import model_class
@@ -26,6 +27,8 @@ from engine.models.transformers_fallback import (
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 # Tensors some checkpoints carry that the forward pass recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An encoder's pooler head (sentence-transformers never runs it) and its stored position ids.
+_IGNORED_ENCODER_TENSORS = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
@@ -109,7 +112,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     model_impl: str = "native",
-) -> LlamaForCausalLM | TransformersCausalLM:
+) -> LlamaForCausalLM | BertEncoder | TransformersCausalLM:
     if model_impl == "transformers":
         return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)
@@ -125,6 +128,8 @@ def load_model(
     missing = set(slots)
     for source, name, read in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if spec.encoder and name in _IGNORED_ENCODER_TENSORS:
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue

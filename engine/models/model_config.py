@@ -26,12 +26,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "BertModel": "bert",
+    "XLMRobertaModel": "xlm-roberta",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Gemma's MLP activations (``hidden_activation``) we implement.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+# Encoder-only embedders (``engine.models.bert``): bidirectional attention, no KV cache.
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta")
+# Their feed-forward activations we implement (transformers' names).
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -71,6 +77,14 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
+    # Encoders (BERT, XLM-RoBERTa): post-LN LayerNorms' eps, the token type table's rows, the
+    # first position's row in the position table (XLM-R's ``pad_token_id + 1``) and the
+    # padding id XLM-R's positions skip.
+    encoder: bool = False
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    pad_token_id: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
@@ -91,6 +105,8 @@ class ModelSpec:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
             raise ValueError("multimodal checkpoints are not supported")
+        if model_type in ENCODER_MODEL_TYPES:
+            return _encoder_spec(cfg, architecture)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -139,6 +155,11 @@ class ModelSpec:
         if self.sliding_layers is not None and not self.sliding_layers[index]:
             return None
         return self.sliding_window
+
+    @property
+    def kv_cache_layers(self) -> int:
+        """The layers whose K/V the engine caches: none for an encoder."""
+        return 0 if self.encoder else self.num_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -377,3 +398,44 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def _encoder_spec(cfg: dict, architecture: str) -> ModelSpec:
+    """A BERT or XLM-RoBERTa encoder's spec; ``ValueError`` for what the native encoder does
+    not compute (relative position embeddings, a decoder configuration, another activation)."""
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"position_embedding_type {kind!r} is not supported; the encoder has absolute positions")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError("a BERT/XLM-RoBERTa configured as a decoder is not supported; the engine embeds with encoders")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported; supported: {ENCODER_ACTIVATIONS}")
+    num_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    pad = cfg.get("pad_token_id")
+    # XLM-R numbers positions from ``pad_token_id + 1`` (its first rows are never used).
+    offset = int(pad) + 1 if cfg["model_type"] == "xlm-roberta" and pad is not None else 0
+    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return ModelSpec(
+        model_type=cfg["model_type"],
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        rms_norm_eps=0.0,
+        # One more than the positions: the token an embedding request samples to finish is
+        # never run through the model, so a prompt may use every position.
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset + 1,
+        rope_theta=0.0,
+        hidden_act=act,
+        checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+        encoder=True,
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        position_offset=offset,
+        pad_token_id=None if pad is None else int(pad),
+    )

@@ -3,13 +3,14 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 
 from __future__ import annotations
 
+from engine.models.bert import BertEncoder
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -20,10 +21,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "BertModel": BertEncoder,
+    "XLMRobertaModel": BertEncoder,
 }
 
 
-def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM] | type[BertEncoder]:
     cls = MODEL_CLASSES.get(spec.architecture)
     if cls is None:
         raise ValueError(
