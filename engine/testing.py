@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -564,13 +565,14 @@ def build_tiny_encoder(
         hidden_act=hidden_act,
         pad_token_id=fast.pad_token_id,
     )
+    model: Any
     if family == "bert":
-        config = transformers.BertConfig(max_position_embeddings=max_positions, **common)
-        model: torch.nn.Module = transformers.BertModel(config)
+        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=max_positions, **common))
     else:  # XLM-R's positions start after the padding id
-        config = transformers.XLMRobertaConfig(max_position_embeddings=max_positions + fast.pad_token_id + 1, **common)
-        model = transformers.XLMRobertaModel(config)
+        positions = max_positions + fast.pad_token_id + 1
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(max_position_embeddings=positions, **common))
     torch.manual_seed(seed)
-    _randomize(model.float(), init_std)
+    model = model.float()
+    _randomize(model, init_std)
     model.save_pretrained(str(path), safe_serialization=True)
     return path

@@ -106,8 +106,9 @@ def test_run_embeds_with_an_encoder_and_an_input_over_the_step_budget_fails_alon
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    fits = [t for t in TEXTS if len(tok.encode(t)) <= ENGINE["max_num_batched_tokens"]]
-    too_long = next(t for t in TEXTS if len(tok.encode(t)) > ENGINE["max_num_batched_tokens"])
+    budget = 32  # ENGINE's max_num_batched_tokens
+    fits = [t for t in TEXTS if len(tok.encode(t)) <= budget]
+    too_long = next(t for t in TEXTS if len(tok.encode(t)) > budget)
     lines = [
         _line("texts", {"input": fits}),
         _line("short", {"input": fits[0], "dimensions": 16, "encoding_format": "base64"}),
