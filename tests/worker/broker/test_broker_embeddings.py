@@ -43,7 +43,7 @@ def test_a_kombu_producer_submits_embeddings_lines_and_they_complete(pg_redis_s3
     batch = end["batch"]
     assert batch["endpoint"] == "/v1/embeddings"
     assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
-    results = list(client.results(end["job_id"]))
+    results = [line.decode() for line in client.result_bytes(end["job_id"])]
     for line in results:
         check_output_line(line, results=True)
     bodies = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, results)}
@@ -51,6 +51,6 @@ def test_a_kombu_producer_submits_embeddings_lines_and_they_complete(pg_redis_s3
     assert_same_vectors([d["embedding"] for d in bodies["all"]["data"]], reference_vectors(stack.model, TEXTS))
     want = reference_vectors(stack.model, TEXTS[:1], 16)
     assert_same_vectors([d["embedding"] for d in bodies["one"]["data"]], want)
-    [error] = [json.loads(line) for line in client.results(end["job_id"], errors=True)]
+    [error] = [json.loads(line) for line in client.result_bytes(end["job_id"], errors=True)]
     assert error["custom_id"] == "bad" and "input[0] is empty" in json.dumps(error)
     client.close()
