@@ -522,7 +522,7 @@ def build_tiny_encoder(
     sentence-transformers saves one: no prefix, the pooler included) with a BPE tokenizer that
     wraps each text in CLS/SEP, taking inputs of up to ``max_positions`` tokens."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if family not in ENCODER_FAMILIES:
         raise ValueError(f"family must be one of {tuple(ENCODER_FAMILIES)}, got {family!r}")
@@ -532,6 +532,7 @@ def build_tiny_encoder(
     specials = info["tokens"]
     tok = Tokenizer(models.BPE(unk_token=specials[3] if family == "xlm-roberta" else "[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=512,
         special_tokens=specials,
