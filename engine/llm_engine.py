@@ -20,6 +20,7 @@ from engine.cpu_threads import apply_cpu_budget, cpu_budget
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import window_release
 from engine.model_runner import ModelRunner
+from engine.models.bert import encoder_engine_config
 from engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.pooling import embedding_support
@@ -89,6 +90,8 @@ class LLMEngine:
             prepare_interpreter(config.resolve_device())
         model_path = resolve_model_path(config.model.model, config.model.revision)
         self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl)
+        # An encoder runs each input whole, with no KV cache (``engine.models.bert``).
+        self.config = config = encoder_engine_config(config, self.model_spec)
         tok_path = (
             resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else model_path
         )
@@ -147,7 +150,7 @@ class LLMEngine:
         self.vocab_size = self.model_spec.vocab_size
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.sampler.structured = self.structured
-        self.embedding = embedding_support(model_path, self.model_spec.hidden_size, config)
+        self.embedding = embedding_support(model_path, self.model_spec, config)
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []

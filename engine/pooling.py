@@ -19,6 +19,7 @@ import torch
 
 from engine.batch import LogitsOf, RowPlan, StepRows
 from engine.config import EngineConfig
+from engine.models.model_config import ModelSpec
 from engine.pooling_config import PoolingConfig, ResolvedPooling, read_pooling_config
 from engine.pooling_params import PoolingParams
 from engine.pooling_state import PoolingState
@@ -80,14 +81,19 @@ class PoolingHook:
 class EngineEmbedding:
     """What the engine knows of embedding: the model's pooling, or why it cannot embed."""
 
-    def __init__(self, config: PoolingConfig | None, hidden_size: int, refusal: str | None) -> None:
+    def __init__(
+        self, config: PoolingConfig | None, hidden_size: int, refusal: str | None, generates: bool = True
+    ) -> None:
         self.config = config
         self.hidden_size = hidden_size
         self.refusal = refusal  # why this engine embeds nothing (None: it can)
+        self.generates = generates  # False for an encoder, which has no vocabulary head
 
     def request(self, params: SamplingParams) -> tuple[SamplingParams, PoolingState | None]:
         """A request's sampling (one greedy token, for an embedding request) and its pooling
         state (None for generation); ``ValueError`` when this engine cannot embed it."""
+        if params.pooling is None and not self.generates:
+            raise ValueError("this model is an encoder: it embeds (send embedding requests) and cannot generate text")
         if params.pooling is None:
             return params, None
         assert isinstance(params.pooling, PoolingParams)  # SamplingParams turned a dict into one
@@ -107,19 +113,25 @@ class EngineEmbedding:
             stop=None,
             stop_token_ids=None,
             logit_bias=None,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
             stream=False,
         )
         return sampling, state
 
 
-def embedding_support(model_dir: Path, hidden_size: int, config: EngineConfig) -> EngineEmbedding:
+def embedding_support(model_dir: Path, spec: ModelSpec, config: EngineConfig) -> EngineEmbedding:
     """The engine's embedding: the checkpoint's pooling (``engine.pooling_config``), or why
     its requests for vectors are refused (a generation model with no usable pooling config
-    still generates)."""
+    still generates). An encoder only embeds; without sentence-transformers' files it pools
+    the mean, as sentence-transformers does for a plain encoder checkpoint."""
+    hidden_size, generates = spec.hidden_size, not spec.encoder
     if config.parallel.tensor_parallel_size > 1:
-        return EngineEmbedding(None, hidden_size, "embedding under tensor parallelism is not supported")
+        return EngineEmbedding(None, hidden_size, "embedding under tensor parallelism is not supported", generates)
+    default = PoolingConfig(pooling="mean", normalize=False) if spec.encoder else PoolingConfig()
     try:
-        pooling = read_pooling_config(model_dir) if model_dir.is_dir() else PoolingConfig()
+        pooling = read_pooling_config(model_dir, default) if model_dir.is_dir() else default
     except ValueError as exc:
-        return EngineEmbedding(None, hidden_size, str(exc))
-    return EngineEmbedding(pooling, hidden_size, None)
+        return EngineEmbedding(None, hidden_size, str(exc), generates)
+    return EngineEmbedding(pooling, hidden_size, None, generates)

@@ -9,7 +9,7 @@ weighted mean, mean of square roots) is refused at load with the reason."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.pooling_params import PoolingParams
@@ -58,10 +58,13 @@ class ResolvedPooling:
         return self.pooling != "last"
 
 
-def read_pooling_config(model_dir: Path) -> PoolingConfig:
+def read_pooling_config(model_dir: Path, default: PoolingConfig | None = None) -> PoolingConfig:
+    """The pooling ``model_dir``'s sentence-transformers files give; ``default`` (the
+    decoders' last-token pooling unless given) without them."""
+    default = default or PoolingConfig()
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
-        return PoolingConfig()
+        return default
     try:
         modules = json.loads(modules_file.read_text())
     except (OSError, ValueError) as exc:
@@ -71,7 +74,7 @@ def read_pooling_config(model_dir: Path) -> PoolingConfig:
     types = [m.get("type") for m in modules if isinstance(m, dict)]
     pooling_dirs = [m.get("path", "") for m in modules if isinstance(m, dict) and m.get("type") in _POOLING_TYPES]
     if not pooling_dirs:
-        return PoolingConfig(source=f"{modules_file} (no Pooling module: default)")
+        return replace(default, source=f"{modules_file} (no Pooling module: default)")
     normalize = any(t in _NORMALIZE_TYPES for t in types)
     config_file = model_dir / pooling_dirs[0] / "config.json"
     try:

@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -647,4 +648,87 @@ def add_sentence_transformers_files(path: str | Path, pooling: str, normalize: b
     (path / "1_Pooling").mkdir(exist_ok=True)
     pooling_config = {"word_embedding_dimension": hidden, **{flag: mode == pooling for mode, flag in flags.items()}}
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    return path
+
+
+# Encoder families (``engine.models.bert``): their special tokens (the padding token's id is
+# the one XLM-R's positions skip: 1, as in the released checkpoints) and the template the
+# tokenizer wraps each text in.
+ENCODER_FAMILIES: dict[str, dict] = {
+    "bert": {"tokens": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "cls": "[CLS]", "sep": "[SEP]"},
+    "xlm-roberta": {"tokens": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"], "cls": "<s>", "sep": "</s>"},
+}
+
+
+def build_tiny_encoder(
+    path: str | Path,
+    family: str = "bert",
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 128,
+    max_positions: int = 512,
+    hidden_act: str = "gelu",
+    init_std: float = 0.2,
+) -> Path:
+    """Write a random-weight ``BertModel`` or ``XLMRobertaModel`` checkpoint (as
+    sentence-transformers saves one: no prefix, the pooler included) with a BPE tokenizer that
+    wraps each text in CLS/SEP, taking inputs of up to ``max_positions`` tokens."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if family not in ENCODER_FAMILIES:
+        raise ValueError(f"family must be one of {tuple(ENCODER_FAMILIES)}, got {family!r}")
+    info = ENCODER_FAMILIES[family]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    specials = info["tokens"]
+    tok = Tokenizer(models.BPE(unk_token=specials[3] if family == "xlm-roberta" else "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    cls, sep = info["cls"], info["sep"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B {sep}",
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
+    )
+    pad = specials[1] if family == "xlm-roberta" else specials[0]
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token=cls,
+        sep_token=sep,
+        pad_token=pad,
+        unk_token=specials[3] if family == "xlm-roberta" else "[UNK]",
+        mask_token=specials[4],
+        model_max_length=max_positions,
+    )
+    fast.save_pretrained(str(path))
+    common = dict(
+        vocab_size=len(fast),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        intermediate_size=intermediate_size,
+        hidden_act=hidden_act,
+        pad_token_id=fast.pad_token_id,
+    )
+    model: Any
+    if family == "bert":
+        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=max_positions, **common))
+    else:  # XLM-R's positions start after the padding id
+        positions = max_positions + fast.pad_token_id + 1
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(max_position_embeddings=positions, **common))
+    torch.manual_seed(seed)
+    model = model.float()
+    _randomize(model, init_std)
+    model.save_pretrained(str(path), safe_serialization=True)
     return path

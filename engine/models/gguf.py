@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
 from engine.models.registry import model_class
 
@@ -293,6 +294,7 @@ def _hf_names(name: str, spec: ModelSpec, experts: int) -> list[str] | None:
     prefix = f"model.layers.{layer}."
     if part in _EXPERT_TENSORS or part == "ffn_gate_inp":
         cls = model_class(spec)
+        assert issubclass(cls, LlamaForCausalLM)  # (GGUF files hold decoders only)
         block = f"{prefix}{cls.mlp_prefix}"
         if part == "ffn_gate_inp":
             return [f"{block}gate.{kind}"]

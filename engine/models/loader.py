@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.distributed.sharding import Shard
 from engine.models import gguf
+from engine.models.bert import BertEncoder
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
 from engine.models.registry import model_class
@@ -31,6 +32,7 @@ from engine.quantization.loading import dequantized
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 # Tensors some checkpoints carry that the forward pass recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An encoder's pooler head (sentence-transformers never runs it) and its stored position ids.
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
@@ -130,7 +132,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     model_impl: str = "native",
-) -> LlamaForCausalLM | TransformersCausalLM:
+) -> LlamaForCausalLM | BertEncoder | TransformersCausalLM:
     if model_impl == "transformers":
         return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)

@@ -39,6 +39,8 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "BertModel": "bert",
+    "XLMRobertaModel": "xlm-roberta",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -47,6 +49,10 @@ GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 # The families whose ``attention_bias`` covers o_proj too (the others bias q/k/v only).
 _O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3", "olmo3")
+# Encoder-only embedders (``engine.models.bert``): bidirectional attention, no KV cache.
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta")
+# Their feed-forward activations we implement (transformers' names).
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -98,10 +104,21 @@ class ModelSpec:
     # Hybrid models (Qwen3.5): which layers are linear attention, and their shapes.
     linear_attention: LinearAttentionSpec | None = None
 
+    # Encoders (BERT, XLM-RoBERTa): post-LN LayerNorms' eps, the token type table's rows, the
+    # first position's row in the position table (XLM-R's ``pad_token_id + 1``) and the
+    # padding id XLM-R's positions skip.
+    encoder: bool = False
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    pad_token_id: int | None = None
+
     @property
     def kv_cache_layers(self) -> int:
-        """The layers that own K/V in the cache: Gemma 4's shared-KV layers and a hybrid model's
-        linear-attention layers own none."""
+        """The layers that own K/V in the cache: Gemma 4's shared-KV layers, a hybrid model's
+        linear-attention layers and an encoder's layers own none."""
+        if self.encoder:
+            return 0
         shared = self.gemma4.num_kv_shared_layers if self.gemma4 is not None else 0
         linear = sum(self.linear_attention.linear_layers) if self.linear_attention is not None else 0
         return self.num_layers - shared - linear
@@ -126,6 +143,8 @@ class ModelSpec:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
             raise ValueError("multimodal checkpoints are not supported")
+        if model_type in ENCODER_MODEL_TYPES:
+            return _encoder_spec(cfg, architecture)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -589,3 +608,44 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def _encoder_spec(cfg: dict, architecture: str) -> ModelSpec:
+    """A BERT or XLM-RoBERTa encoder's spec; ``ValueError`` for what the native encoder does
+    not compute (relative position embeddings, a decoder configuration, another activation)."""
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"position_embedding_type {kind!r} is not supported; the encoder has absolute positions")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError("a BERT/XLM-RoBERTa configured as a decoder is not supported; the engine embeds with encoders")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported; supported: {ENCODER_ACTIVATIONS}")
+    num_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    pad = cfg.get("pad_token_id")
+    # XLM-R numbers positions from ``pad_token_id + 1`` (its first rows are never used).
+    offset = int(pad) + 1 if cfg["model_type"] == "xlm-roberta" and pad is not None else 0
+    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return ModelSpec(
+        model_type=cfg["model_type"],
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        rms_norm_eps=0.0,
+        # One more than the positions: the token an embedding request samples to finish is
+        # never run through the model, so a prompt may use every position.
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset + 1,
+        rope_theta=0.0,
+        hidden_act=act,
+        checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+        encoder=True,
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        position_offset=offset,
+        pad_token_id=None if pad is None else int(pad),
+    )

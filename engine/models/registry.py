@@ -3,6 +3,7 @@ into ``ModelSpec.architecture``, checked against ``SUPPORTED_ARCHITECTURES``) pi
 
 from __future__ import annotations
 
+from engine.models.bert import BertEncoder
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -16,7 +17,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -35,10 +36,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "BertModel": BertEncoder,
+    "XLMRobertaModel": BertEncoder,
 }
 
 
-def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM] | type[BertEncoder]:
     cls = MODEL_CLASSES.get(spec.architecture)
     if cls is None:
         raise ValueError(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.testing import add_sentence_transformers_files, build_tiny_model
+from engine.testing import add_sentence_transformers_files, build_tiny_encoder, build_tiny_model
 
 # Mixed lengths: one token, a few, and longer than the chunk budgets the tests set.
 TEXTS = [
@@ -27,6 +27,16 @@ def sentence_transformers_model(root: Path, family: str, pooling: str, normalize
     if not (path / "modules.json").exists():
         shutil.rmtree(path, ignore_errors=True)
         build_tiny_model(path, family)
+        add_sentence_transformers_files(path, pooling, normalize)
+    return str(path)
+
+
+def sentence_transformers_encoder(root: Path, family: str, pooling: str, normalize: bool) -> str:
+    """A tiny random-weight encoder (``bert``, ``xlm-roberta``) with sentence-transformers' pooling files."""
+    path = root / f"{family}-{pooling}-{'norm' if normalize else 'raw'}"
+    if not (path / "modules.json").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        build_tiny_encoder(path, family)
         add_sentence_transformers_files(path, pooling, normalize)
     return str(path)
 

@@ -193,6 +193,15 @@ def test_cpu_worker_by_default_gpu_worker_in_a_profile():
         assert check_invocation(command(services()[name])).value("--model")
 
 
+def test_an_embedding_worker_in_a_profile_serves_a_catalogued_model():
+    embed = services()["worker-embed"]
+    assert embed["profiles"] == ["embed"]
+    assert embed["image"].partition(":")[0] == IMAGES["cpu"] and "deploy" not in embed
+    model = check_invocation(command(embed)).value("--model")
+    assert model == "BAAI/bge-small-en-v1.5"
+    assert model in parse_catalog(environment(services()["api"]).get("CONVEYOR_MODELS"))
+
+
 def test_workers_get_their_drain_time_before_sigkill():
     for name, service in workers().items():
         inv = check_invocation(command(service))
@@ -222,7 +231,7 @@ def _compose_binary() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", [None, "gpu"])
+@pytest.mark.parametrize("profile", [None, "gpu", "embed"])
 def test_compose_spec_accepts_the_file(profile):
     binary = _compose_binary()
     if binary is None:

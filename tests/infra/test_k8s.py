@@ -40,11 +40,12 @@ K8S = INFRA / "k8s"
 OVERLAYS = {
     "base": K8S / "base",
     "cpu": K8S / "overlays" / "cpu",
+    "cpu-embeddings": K8S / "overlays" / "cpu-embeddings",
     "gpu": K8S / "overlays" / "gpu",
     "gpu-jobs": K8S / "overlays" / "gpu-jobs",
 }
-DEPLOYABLE = ["cpu", "gpu", "gpu-jobs"]
-SCALED_OBJECT_OVERLAYS = ["base", "cpu", "gpu"]
+DEPLOYABLE = ["cpu", "cpu-embeddings", "gpu", "gpu-jobs"]
+SCALED_OBJECT_OVERLAYS = ["base", "cpu", "cpu-embeddings", "gpu"]
 GPU_OVERLAYS = ["gpu", "gpu-jobs"]
 NAMESPACE = "conveyor"
 SECRET_NAME = "conveyor-secrets"  # created by the operator (infra/README.md), never committed
@@ -397,7 +398,7 @@ def test_gpu_workers_request_a_gpu(overlay):
         assert any(t["key"] == GPU and t["operator"] == "Exists" for t in tolerations), owner
 
 
-@pytest.mark.parametrize("overlay", ["base", "cpu"])
+@pytest.mark.parametrize("overlay", ["base", "cpu", "cpu-embeddings"])
 def test_cpu_overlays_ask_for_no_gpu(overlay):
     objs = render(overlay)
     for owner, template in pod_templates(objs):
@@ -477,7 +478,7 @@ def test_disruption_budgets_select_long_running_pods(overlay):
         assert owners, f"PodDisruptionBudget/{pdb['metadata']['name']} selects no pod"
         # maxUnavailable needs a scalable owner: a Job's pods cannot be evicted under it.
         assert all(o.startswith("Deployment/") for o in owners), f"{pdb['metadata']['name']}: {owners}"
-    if overlay in ("cpu", "gpu"):
+    if overlay in ("cpu", "cpu-embeddings", "gpu"):
         assert len(find(objs, "PodDisruptionBudget")) == 2
 
 

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors, sentence_transformers_model
+from tests.engine.embedding_helpers import (
+    TEXTS,
+    assert_same_vectors,
+    reference_vectors,
+    sentence_transformers_encoder,
+    sentence_transformers_model,
+)
 from tests.worker.helpers import Stack, make_values, parse_lines
 from tests.worker.openai_shapes import check_output_line
 from worker.entrypoints.cli import main
@@ -91,6 +97,31 @@ def test_run_embeds_every_input_shape_as_sentence_transformers_does(st_root, env
     assert "input[0] is empty" in failed["empty"]["error"]["message"]
     too_big = failed["too-big"]["response"]["body"]["error"]["message"]
     assert "dimensions must be at most the model's embedding size 64" in too_big
+
+
+def test_run_embeds_with_an_encoder_and_an_input_over_the_step_budget_fails_alone(
+    st_root, env, tmp_path, capsys
+) -> None:
+    model = sentence_transformers_encoder(st_root, "xlm-roberta", "cls", True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    budget = 32  # ENGINE's max_num_batched_tokens
+    fits = [t for t in TEXTS if len(tok.encode(t)) <= budget]
+    too_long = next(t for t in TEXTS if len(tok.encode(t)) > budget)
+    lines = [
+        _line("texts", {"input": fits}),
+        _line("short", {"input": fits[0], "dimensions": 16, "encoding_format": "base64"}),
+        _line("long", {"input": [fits[0], too_long]}),
+    ]
+    results, errors = _run(env, tmp_path, model, lines, capsys)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in results}
+    assert sorted(by_id) == ["short", "texts"]
+    assert_same_vectors(_vectors(by_id["texts"]), reference_vectors(model, fits))
+    assert_same_vectors(_vectors(by_id["short"]), reference_vectors(model, fits[:1], 16))
+    [failed] = errors
+    assert failed["custom_id"] == "long"
+    assert "max_num_batched_tokens" in json.dumps(failed)
 
 
 def test_plain_rows_with_an_input_column_are_embedded(st_root, env, tmp_path, capsys) -> None:
