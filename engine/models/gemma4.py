@@ -31,6 +31,7 @@ from engine.models.gemma4_spec import Gemma4Spec
 from engine.models.llama import LlamaForCausalLM, RMSNorm, _param
 from engine.models.model_config import ModelSpec
 from engine.models.moe import moe_sorted
+from engine.models.multimodal import language_model_name
 
 
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -264,6 +265,11 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.spec.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # (a multimodal checkpoint's language model: ``engine.models.multimodal``)
+        text = language_model_name(name)
+        return None if text is None else super().checkpoint_name(text)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         spec, g4, hidden = self.spec, self.g4, self.spec.hidden_size
