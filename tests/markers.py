@@ -90,6 +90,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_gpt_oss_mxfp4.py::test_two_ranks_split_the_dequantized_experts",
     "tests/engine/test_multimodal_gemma.py::test_multimodal_checkpoint_runs_its_language_model",
     "tests/engine/test_multimodal_gemma.py::test_transformers_multimodal_model_answers_the_same_on_text",
+    "tests/engine/test_multimodal_gemma.py::test_two_ranks_split_a_multimodal_checkpoints_language_model",
     "tests/engine/test_tensor_parallel.py::test_two_ranks_split_gemma4_per_layer_kind",
     "tests/engine/test_quantized_checkpoints.py::test_quantized_llama_matches_transformers_on_the_weights_it_stores",
     "tests/engine/test_quantized_checkpoints.py::test_transformers_own_fp8_loader_reads_the_weights_we_read",

@@ -66,3 +66,14 @@ def test_only_the_towers_are_skipped():
         "model.embed_audio.embedding_projection.weight",
     ):
         assert language_model_name(tower) is None, tower
+
+
+def test_two_ranks_split_a_multimodal_checkpoints_language_model(tiny_models, hf_reference, make_llm, tmp_path):
+    text_model, kwargs = model_case(tiny_models, "gemma4")
+    wrapper = str(build_tiny_multimodal_gemma(tmp_path / "gemma4", text_model))
+    llm = make_llm(wrapper, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16, **kwargs)
+    try:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    assert_outputs_match(hf_reference(text_model), PROMPTS, MAX_TOKENS, outs)
