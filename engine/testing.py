@@ -549,6 +549,57 @@ def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> P
     return path
 
 
+def build_tiny_multimodal_gemma(path: str | Path, text_model: str | Path, *, released: bool = False) -> Path:
+    """A multimodal Gemma 3 or 4 checkpoint (``Gemma3ForConditionalGeneration``: a tiny SigLIP
+    tower and projector; ``Gemma4ForConditionalGeneration``: tiny vision and audio towers) around
+    the language model of the tiny ``gemma3`` or ``gemma4`` text checkpoint ``text_model``,
+    whose weights and tokenizer it takes as they are. transformers saves Gemma 3 under the
+    released files' names (``language_model.model.``, ``vision_tower.``); ``released``: its
+    ``text_config`` also as released, holding only what differs from the defaults."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+
+    path, text_model = Path(path), Path(text_model)
+    text_cfg = json.loads((text_model / "config.json").read_text())
+    tied = text_cfg["tie_word_embeddings"]
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    if text_cfg["model_type"] == "gemma3_text":
+        vision = {**tower, "image_size": 32, "patch_size": 8}
+        config: transformers.PreTrainedConfig = transformers.Gemma3Config(
+            text_config=text_cfg, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=tied
+        )
+        model_cls: type = transformers.Gemma3ForConditionalGeneration
+    else:
+        vision = {**tower, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "position_embedding_size": 64}
+        audio = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "output_proj_dims": 32}
+        config = transformers.Gemma4Config(
+            text_config=text_cfg, vision_config=vision, audio_config=audio, tie_word_embeddings=tied
+        )
+        model_cls = transformers.Gemma4ForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    _randomize(model, 0.5)
+    text = load_file(str(text_model / "model.safetensors"))
+    prefix = "model.language_model."
+    renamed = {(k if k == "lm_head.weight" else prefix + k[len("model.") :]): v for k, v in text.items()}
+    missing = model.load_state_dict(renamed, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in text_model.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(name, path / name.name)
+    if released:
+        cfg = json.loads((path / "config.json").read_text())
+        defaults = transformers.Gemma3TextConfig().to_dict()
+        cfg["text_config"] = {
+            k: v for k, v in cfg["text_config"].items() if k == "model_type" or defaults.get(k, object()) != v
+        }
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 def _layer_of(name: str) -> int:
     """The decoder layer a weight belongs to (-1: none, e.g. the embeddings)."""
     parts = name.split(".")

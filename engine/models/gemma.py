@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from engine.distributed.sharding import WeightSlot
 from engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from engine.models.model_config import ModelSpec
+from engine.models.multimodal import language_model_name
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,6 +100,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.spec.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # (a multimodal checkpoint's language model: ``engine.models.multimodal``)
+        text = language_model_name(name)
+        return None if text is None else super().checkpoint_name(text)
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         slots = super().weight_slots()

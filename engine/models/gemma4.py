@@ -13,6 +13,8 @@ modules:
 - per-layer input embeddings: a packed per-layer embedding of each token plus a projection of
   the scaled embedding, mixed into the residual after each layer's MLP through a GELU gate;
 - a per-layer scalar on the output, final logit soft cap, tied embeddings.
+- tensor parallelism: query heads and each kind's KV heads split (``head_shard`` per kind), the
+  MLP's and the experts' intermediate dims split, the per-layer inputs whole on every rank.
 
 The cache holds one K/V shape per layer (``ModelSpec.num_kv_heads``/``head_dim``, the larger
 kind's); a layer of the smaller kind uses the first part of each token's slot.
@@ -26,11 +28,12 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import parallel_state
-from engine.distributed.sharding import WeightSlot
+from engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
 from engine.models.gemma4_spec import Gemma4Spec
 from engine.models.llama import LlamaForCausalLM, RMSNorm, _param
 from engine.models.model_config import ModelSpec
 from engine.models.moe import moe_sorted
+from engine.models.multimodal import language_model_name
 
 
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -87,8 +90,11 @@ class Gemma4Attention(nn.Module):
         super().__init__()
         self.layer_type = g4.layer_types[index]
         self.sliding_window = spec.sliding_window if self.layer_type == "sliding_attention" else None
-        self.num_heads = spec.num_heads
-        self.num_kv_heads, self.head_dim = g4.kv_shape(self.layer_type)
+        kv_heads, self.head_dim = g4.kv_shape(self.layer_type)
+        # Under tensor parallelism, this rank's query heads and its KV heads of this layer's kind.
+        self.tp = parallel_state.current()
+        self.heads = head_shard(spec.num_heads, kv_heads, self.tp)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         self.shared = g4.kv_source(index) != index
         self.k_eq_v = g4.attention_k_eq_v and self.layer_type == "full_attention"
         hidden, eps, bias = spec.hidden_size, spec.rms_norm_eps, spec.qkv_bias
@@ -121,19 +127,22 @@ class Gemma4Attention(nn.Module):
         k_cache = _cache_view(kv_cache[0], self.num_kv_heads, self.head_dim)
         v_cache = _cache_view(kv_cache[1], self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, 1.0, sliding_window=self.sliding_window)
-        return F.linear(out.reshape(-1, self.num_heads * self.head_dim), self.o_weight, self.o_bias)
+        return self.tp.row_parallel_linear(out.reshape(-1, self.num_heads * self.head_dim), self.o_weight, self.o_bias)
 
 
 class Gemma4MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, approximate: str, dtype, device) -> None:
         super().__init__()
-        self.inter, self.approximate = inter, approximate
+        self.tp = parallel_state.current()
+        self.inter_start, self.inter = split(inter, self.tp)  # (this rank's slice)
+        self.approximate = approximate
+        inter = self.inter
         self.gate_up_weight = _param(2 * inter, hidden, dtype=dtype, device=device)
         self.down_weight = _param(hidden, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.gelu(gate, approximate=self.approximate) * up, self.down_weight)
+        return self.tp.row_parallel_linear(F.gelu(gate, approximate=self.approximate) * up, self.down_weight, None)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -149,7 +158,11 @@ class Gemma4MoE(nn.Module):
 
     def __init__(self, spec: ModelSpec, g4: Gemma4Spec, dtype, device) -> None:
         super().__init__()
-        e, inter, hidden, eps = g4.num_experts, g4.moe_intermediate_size, spec.hidden_size, spec.rms_norm_eps
+        e, hidden, eps = g4.num_experts, spec.hidden_size, spec.rms_norm_eps
+        # Under tensor parallelism, this rank's slice of every expert's intermediate dim.
+        self.tp = parallel_state.current()
+        self.inter_start, self.inter = split(g4.moe_intermediate_size, self.tp)
+        self.full_inter, inter = g4.moe_intermediate_size, self.inter
         self.top_k, self.eps, self.hidden = g4.top_k_experts, eps, hidden
         self.router_proj = _param(e, hidden, dtype=dtype, device=device)
         self.router_scale = _param(hidden, dtype=dtype, device=device)
@@ -166,7 +179,7 @@ class Gemma4MoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids]
         x = self.pre_feedforward_layernorm_2(residual)
         out = moe_sorted(x, self.gate_up, self.down, weights, ids, gelu_tanh_and_mul)
-        return self.post_feedforward_layernorm_2(out)
+        return self.post_feedforward_layernorm_2(self.tp.all_reduce(out))  # (the ranks' partial sums)
 
 
 class Gemma4Layer(nn.Module):
@@ -216,13 +229,15 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{spec.architecture} needs the config's Gemma 4 fields")
         self.spec, self.g4 = spec, g4
         self.tp = parallel_state.current()
-        if self.tp.enabled:
-            raise ValueError("Gemma 4 under tensor parallelism is not supported yet")
         hidden = spec.hidden_size
-        self.embed_tokens = _param(spec.vocab_size, hidden, dtype=dtype, device=device)
+        # (vocabulary-parallel embedding and LM head, as the Llama layers': ``embed``, ``compute_logits``)
+        self.vocab = vocab = vocab_shard(spec.vocab_size, self.tp)
+        self.embed_tokens = _param(vocab.padded, hidden, dtype=dtype, device=device)
+        self.embed_tokens.data[vocab.rows :].zero_()
         self.layers = nn.ModuleList(Gemma4Layer(spec, g4, i, dtype, device) for i in range(spec.num_layers))
         tied = spec.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else _param(spec.vocab_size, hidden, dtype=dtype, device=device)
+        self.lm_head = self.embed_tokens if tied else _param(vocab.padded, hidden, dtype=dtype, device=device)
+        self.lm_head.data[vocab.rows :].zero_()
         self.norm = Gemma4Norm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.embed_scale = float(torch.tensor(spec.hidden_size**0.5).to(dtype))
         self.ropes = nn.ModuleDict(
@@ -249,7 +264,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, kv_caches) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        x = self.embed(input_ids) * self.embed_scale
         per_layer = self._per_layer_inputs(input_ids, x) if self.g4.hidden_size_per_layer_input else None
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers):
@@ -265,14 +280,20 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         cap = self.spec.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def checkpoint_name(self, name: str) -> str | None:
+        # (a multimodal checkpoint's language model: ``engine.models.multimodal``)
+        text = language_model_name(name)
+        return None if text is None else super().checkpoint_name(text)
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         spec, g4, hidden = self.spec, self.g4, self.spec.hidden_size
+        vocab = Shard.rows(self.vocab.start, self.vocab.rows)
         slots: dict[str, WeightSlot] = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, spec.vocab_size),
+            "model.embed_tokens.weight": (self.embed_tokens, 0, self.vocab.rows, vocab),
             "model.norm.weight": (self.norm.weight, 0, hidden),
         }
         if not spec.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head, 0, spec.vocab_size)
+            slots["lm_head.weight"] = (self.lm_head, 0, self.vocab.rows, vocab)
         ple = g4.hidden_size_per_layer_input
         if ple:
             slots["model.embed_tokens_per_layer.weight"] = (
@@ -289,16 +310,25 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Gemma4Layer)  # (for the type checker)
             p, a = f"model.layers.{i}.", layer.self_attn
+            d, heads = a.head_dim, a.heads
+            q_rows = Shard.rows(heads.head_start * d, heads.num_heads * d)
+            kv_rows = Shard.rows(heads.kv_head_start * d, heads.num_kv_heads * d)
             for name, tensor in a.named_parameters(recurse=False):
-                proj = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}[name.split("_")[0]]
-                slots[f"{p}self_attn.{proj}.{name.split('_')[1]}"] = (tensor, 0, tensor.shape[0])
+                kind, part = name.split("_")
+                proj = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}[kind]
+                shard = {"q": q_rows, "k": kv_rows, "v": kv_rows}.get(kind)
+                if kind == "o":  # (its input columns are this rank's heads'; its bias is added once)
+                    shard = Shard.cols(heads.head_start * d, heads.num_heads * d) if part == "weight" else None
+                slot = (tensor, 0, tensor.shape[0])
+                slots[f"{p}self_attn.{proj}.{part}"] = slot if shard is None else (*slot, shard)
             slots[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, a.head_dim)
             if not a.shared:
                 slots[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, a.head_dim)
             m = layer.mlp
-            slots[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, m.inter)
-            slots[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, m.inter, m.inter)
-            slots[f"{p}mlp.down_proj.weight"] = (m.down_weight, 0, hidden)
+            inter_rows = Shard.rows(m.inter_start, m.inter)
+            slots[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, m.inter, inter_rows)
+            slots[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, m.inter, m.inter, inter_rows)
+            slots[f"{p}mlp.down_proj.weight"] = (m.down_weight, 0, hidden, Shard.cols(m.inter_start, m.inter))
             for name, norm in layer.named_children():
                 if isinstance(norm, Gemma4Norm):
                     slots[f"{p}{name}.weight"] = (norm.weight, 0, hidden)
@@ -308,8 +338,11 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 slots[f"{p}router.proj.weight"] = (moe.router_proj, 0, experts)
                 slots[f"{p}router.scale"] = (moe.router_scale, 0, hidden)
                 slots[f"{p}router.per_expert_scale"] = (moe.per_expert_scale, 0, experts)
-                slots[f"{p}experts.gate_up_proj"] = (moe.gate_up, 0, experts)
-                slots[f"{p}experts.down_proj"] = (moe.down, 0, experts)
+                # (gate rows then up rows: this rank's slice of each)
+                start, inter = moe.inter_start, moe.inter
+                gate_up = Shard(1, ((start, inter), (moe.full_inter + start, inter)))
+                slots[f"{p}experts.gate_up_proj"] = (moe.gate_up, 0, experts, gate_up)
+                slots[f"{p}experts.down_proj"] = (moe.down, 0, experts, Shard(2, ((start, inter),)))
                 for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
                     slots[f"{p}{name}.weight"] = (getattr(moe, name).weight, 0, hidden)
             if layer.ple:

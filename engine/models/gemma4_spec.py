@@ -97,3 +97,18 @@ class Gemma4Spec:
             return index
         kind = self.layer_types[index]
         return max(i for i in range(first_shared) if self.layer_types[i] == kind)
+
+    def tensor_parallel_problems(self, world_size: int, slot: int) -> list[str]:
+        """What does not split over ``world_size`` ranks (``check_tensor_parallel``): each layer
+        kind's KV heads, whose share on a rank must also fit the cache's per-rank token slot of
+        ``slot`` values (sized from the larger kind), and the MoE block's experts."""
+        problems = []
+        for kind in sorted(set(self.layer_types)):
+            heads, dim = self.kv_shape(kind)
+            if heads % world_size and world_size % heads:
+                problems.append(f"{kind} layers' KV heads {heads}")
+            elif max(1, heads // world_size) * dim > slot:  # (a rank's KV heads: ``local_kv_heads``)
+                problems.append(f"{kind} layers' KV heads {heads} of {dim} (a rank's share outgrows the cache slot)")
+        if self.num_experts and self.moe_intermediate_size % world_size:
+            problems.append(f"moe_intermediate_size {self.moe_intermediate_size}")
+        return problems

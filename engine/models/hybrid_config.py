@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.models.multimodal import GEMMA_WRAPPERS, gemma_language_model_config
+
 # Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint.
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
@@ -87,6 +89,8 @@ MULTIMODAL_WRAPPERS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5M
 def language_model_config(cfg: dict) -> dict:
     """A multimodal Qwen3.5 config (``text_config`` inside) as its language model's config;
     any other config as it is."""
+    if cfg.get("model_type") in GEMMA_WRAPPERS and isinstance(cfg.get("text_config"), dict):
+        return gemma_language_model_config(cfg)  # (multimodal Gemma 3 and 4)
     arch, text = MULTIMODAL_WRAPPERS.get(str(cfg.get("model_type"))), cfg.get("text_config")
     if arch is None or not isinstance(text, dict):
         return cfg

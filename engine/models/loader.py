@@ -30,6 +30,9 @@ from engine.quantization import QuantScheme, scheme_from_config
 from engine.quantization.loading import dequantized
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+# gpt-oss's repositories also ship the weights again in OpenAI's own format (``original/``) and
+# for Metal (``metal/``), which the loader never reads: as large as the checkpoint itself.
+_HUB_IGNORED = ["original/*", "metal/*"]
 # Tensors some checkpoints carry that the forward pass recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # An encoder's pooler head (sentence-transformers never runs it) and its stored position ids.
@@ -46,7 +49,11 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS))
+        return Path(
+            snapshot_download(
+                repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS, ignore_patterns=_HUB_IGNORED
+            )
+        )
     except Exception as exc:  # many hub/network error types; say which model
         raise ValueError(f"could not find model {model!r} locally or on the hub: {exc}") from exc
 

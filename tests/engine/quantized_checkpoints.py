@@ -192,3 +192,72 @@ def _ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
     if not args.symmetric:
         params["weight_zero_point"] = zero
     return params
+
+
+# ---- MXFP4 (gpt-oss as released) -------------------------------------------------------
+# e2m1's magnitudes, by code (the sign is the code's fourth bit).
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# What the released gpt-oss config.json says beside transformers' fields (4.x spelling).
+GPT_OSS_QUANTIZATION = {
+    "modules_to_not_convert": [
+        *("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+    ],
+    "quant_method": "mxfp4",
+}
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert weight in transformers' ``[experts, in, out]`` as gpt-oss ships it:
+    ``blocks`` uint8 ``[experts, out, in / 32, 16]`` (two e2m1 codes a byte, low nibble first)
+    and ``scales`` uint8 ``[experts, out, in / 32]`` (the group's power of two, biased by 127),
+    each group's largest magnitude at most 6 (e2m1's largest) times its scale."""
+    rows = weight.float().transpose(-2, -1)
+    groups = rows.reshape(*rows.shape[:-1], -1, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2**-60))) - 2
+    x = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (x.abs().unsqueeze(-1) - _E2M1).abs().argmin(-1) + 8 * (x < 0)
+    codes = codes.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def write_released_gpt_oss(src: str | Path, dst: Path) -> Path:
+    """The tiny gpt-oss checkpoint ``src`` in the released layout: the experts' ``gate_up_proj``
+    and ``down_proj`` as ``*_blocks``/``*_scales`` (``mxfp4_pack``), everything else bfloat16,
+    in two safetensors files with an index; config.json in the 4.x spelling the release uses
+    (``rope_scaling``, ``rope_theta``, ``torch_dtype``, ``experts_per_token``) with its
+    ``quantization_config``; and an ``original/`` folder of OpenAI's own format (other names),
+    which a loader must not read."""
+    src = Path(src)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = mxfp4_pack(tensor)
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    names = sorted(out)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, part in halves.items():
+        save_file({n: out[n] for n in part}, str(dst / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "original").mkdir()
+    save_file({"block.0.attn.sinks": torch.zeros(2)}, str(dst / "original" / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config.pop("dtype", None)
+    config.update(
+        torch_dtype="bfloat16",
+        experts_per_token=config["num_experts_per_tok"],
+        initial_context_length=rope["original_max_position_embeddings"],
+        quantization_config=GPT_OSS_QUANTIZATION,
+    )
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -22,6 +22,7 @@ from engine.distributed.rank_group import RankGroup
 from engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
 from engine.models.model_config import ModelSpec
 from engine.testing import build_truncated_draft
+from tests.engine.helpers import model_case
 from tests.engine.reference import assert_outputs_match, greedy
 
 PROMPTS = [
@@ -87,6 +88,26 @@ def test_two_ranks_run_gemma_as_one_process_does(tiny_models, make_llm, family):
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [o.token_ids for o in single]
+
+
+@pytest.mark.parametrize("case", ["gemma4", "gemma4-moe"])
+def test_two_ranks_split_gemma4_per_layer_kind(tiny_models, hf_reference, make_llm, case):
+    """Gemma 4: query heads and each kind's KV heads split (the full layers' one KV head on both
+    ranks), the shared-KV layers reading their rank's share of an earlier layer's cache, the
+    MLP's and the MoE block's experts' intermediate dims split (their sums added over the ranks
+    before the post-norm), the per-layer inputs whole on every rank."""
+    path, kwargs = model_case(tiny_models, case)
+    single = make_llm(path, **ENGINE_KWARGS, **kwargs).generate(PROMPTS, greedy(MAX_TOKENS))
+    llm = make_llm(path, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+    try:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+        again = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in single]
+    assert [o.token_ids for o in again] == [o.token_ids for o in single]
+    assert any(o.num_cached_tokens > 0 for o in again)
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
 
 
 def test_two_ranks_verify_ngram_proposals_as_one_process_does(tiny_models, make_llm):
@@ -267,6 +288,23 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_models):
     # Through the engine: refused before any rank starts.
     with pytest.raises(ValueError, match="does not divide the model's num_attention_heads 4"):
         LLM(tiny_models("llama"), device="cpu", dtype="float32", tensor_parallel_size=3)
+
+
+def test_gemma4_kinds_that_do_not_split_are_refused(tiny_models):
+    spec = ModelSpec.from_pretrained(tiny_models("gemma4"))  # sliding: 2 KV heads of 16; full: 1 of 48
+    assert spec.gemma4 is not None
+    check_tensor_parallel(spec, 2)
+    three = dataclasses.replace(spec.gemma4, sliding_kv_heads=3)
+    with pytest.raises(ValueError, match=r"does not divide the model's sliding_attention layers' KV heads 3"):
+        check_tensor_parallel(dataclasses.replace(spec, num_heads=6, gemma4=three), 2)
+    # Sliding layers of 2 KV heads of 32 size the slot (64 values; 32 a rank): a full layer's one
+    # KV head of 48, whole on each rank, would not fit it.
+    wide = dataclasses.replace(spec.gemma4, sliding_head_dim=32)
+    with pytest.raises(ValueError, match=r"full_attention layers' KV heads 1 of 48 \(a rank's share outgrows"):
+        check_tensor_parallel(dataclasses.replace(spec, num_kv_heads=2, head_dim=32, gemma4=wide), 2)
+    moe = dataclasses.replace(spec.gemma4, num_experts=4, top_k_experts=2, moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="moe_intermediate_size 30"):
+        check_tensor_parallel(dataclasses.replace(spec, gemma4=moe), 4)
 
 
 def test_the_transformers_fallback_is_not_split(tiny_models):
