@@ -52,7 +52,7 @@ class QuantizedLinearWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         # Reached by any operation but ``F.linear`` that needs the values: there are none to read.
-        raise TypeError(f"a weight kept quantized for its kernel serves F.linear only, not {func}")
+        raise RuntimeError(f"a weight kept quantized for its kernel serves F.linear only, not {func}")
 
 
 def _linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from engine.quantization import kept
 from engine.quantization.kept import QuantizedLinearWeight
@@ -84,3 +86,19 @@ def test_the_cpu_path_dequantizes_unless_forced(tiny_models, tmp_path_factory, m
     quantized, _ = qc.write_quantized(tiny_models("llama"), tmp_path_factory.mktemp("awq-cpu"), config, quantize)
     linears = _linears(make_llm(str(quantized)))
     assert linears and not any(isinstance(w, QuantizedLinearWeight) for w in linears)
+
+
+def test_a_kept_weight_multiplies_through_f_linear_only():
+    from engine.quantization.kernel_weights import Int4Weight
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 64), generator=g)
+    scales, zeros = torch.rand(24, 2, generator=g), torch.randint(0, 16, (24, 2), generator=g)
+    kernel = Int4Weight.from_groups(q, scales, zeros)
+    assert kernel is not None and kernel.group_size == 32 and kernel.qweight.shape == (24, 8)
+    weight = QuantizedLinearWeight(kernel, torch.float32, torch.device("cpu"))
+    x, bias = torch.randn(3, 5, 64, generator=g), torch.randn(24, generator=g)
+    dequantized = (q - zeros.repeat_interleave(32, 1)) * scales.repeat_interleave(32, 1)
+    torch.testing.assert_close(F.linear(x, weight, bias), F.linear(x, dequantized, bias), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match=r"serves F\.linear only"):
+        _ = weight + 1
