@@ -105,7 +105,7 @@ class CacheConfig:
     # Exactly this many KV blocks, whatever the memory.
     num_kv_blocks: int | None = None
     # The KV cache's element type: "auto" (the model's dtype) or "fp8" (e4m3 with a scale of 1:
-    # one byte an element, twice bf16's tokens in the same memory; the torch attention backend reads it).
+    # one byte an element, twice bf16's tokens in the same memory; both attention backends read it).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -81,7 +81,7 @@ class ModelRunner:
         sync(self.device)
         startup.weights += time.perf_counter() - begin
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.backend = create_backend(config.model.attention_backend, self.device, self.kv_dtype)
+        self.backend = create_backend(config.model.attention_backend, self.device)
         use_kernel_ops(self.model, kernel_ops(self.device, self.backend.name))
         self.sampler = Sampler(self.device, config.model.seed)
         begin = time.perf_counter()

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import e4m3_in_arithmetic, e4m3_to_float
 from .interpreter import is_interpreting
 from .utils import cdiv, device_num_sms, next_pow2
 
@@ -91,6 +92,7 @@ def _paged_attn_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     SOFTCAP: tl.constexpr,  # 0.0: none
     HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache holds q's dtype; 1: e4m3; 2: e4m3 bytes, decoded in arithmetic
 ):
     qb = tl.program_id(0)
     seq = tl.program_id(1)
@@ -121,7 +123,8 @@ def _paged_attn_kernel(
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if KV_FP8 == 0:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Keys this query block needs: 0 (or its first query's window start) .. position of its
     # last query (inclusive).
@@ -156,6 +159,10 @@ def _paged_attn_kernel(
             mask=kmask[None, :] & d_mask[:, None],
             other=0.0,
         )
+        if KV_FP8 == 1:  # FP8 keys and values are read into q's dtype (a scale of 1)
+            kt = kt.to(q.dtype)
+        elif KV_FP8 == 2:
+            kt = e4m3_to_float(kt).to(q.dtype)
         # fp32 inputs: full precision, not TF32 (IEEE_DOT is a constexpr: one branch is compiled)
         s = tl.dot(q, kt, input_precision="ieee") if IEEE_DOT else tl.dot(q, kt)
         if SOFTCAP > 0.0:
@@ -178,6 +185,10 @@ def _paged_attn_kernel(
             mask=kmask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if KV_FP8 == 1:
+            v = v.to(q.dtype)
+        elif KV_FP8 == 2:
+            v = e4m3_to_float(v).to(q.dtype)
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee") if IEEE_DOT else tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -274,11 +285,12 @@ def _reduce_splits_kernel(
     )
 
 
-def _pick_tiles(max_query_len: int, g_pad: int, head_dim_pad: int, elem_size: int = 2):
+def _pick_tiles(max_query_len: int, g_pad: int, head_dim_pad: int, elem_size: int = 2, kv_decoded: bool = False):
     """(BLOCK_M, TILE_N, num_warps, num_stages) from the batch shape. A fixed heuristic,
     not autotuning: the choice must be deterministic and capture-safe (CUDA graphs).
     Checked offline (sm_80/86/90 cubins): no register spills for 16-bit caches with head
-    dims 64..256 and for fp32 with head dims <= 128; shared memory <= ~100 KB."""
+    dims 64..256 and for fp32 with head dims <= 128; shared memory <= ~100 KB. ``kv_decoded``
+    (an FP8 cache decoded in arithmetic, sm_80): query tiles of at most 64 rows (128 spill)."""
     rows = max(1, max_query_len) * g_pad
     if rows <= 16:
         block_m = 16
@@ -287,7 +299,7 @@ def _pick_tiles(max_query_len: int, g_pad: int, head_dim_pad: int, elem_size: in
     elif rows <= 64:
         block_m = 64
     else:
-        block_m = 128 if head_dim_pad <= 128 else 64
+        block_m = 128 if head_dim_pad <= 128 and not kv_decoded else 64
     if elem_size > 2:  # fp32: the full-precision dot runs on FMA units, keep tiles small
         block_m = max(min(block_m, 32 if head_dim_pad <= 128 else 16), g_pad)
         return block_m, 16, 4, 2
@@ -353,6 +365,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    decode_e4m3: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over the paged KV cache (see module docstring).
 
@@ -361,6 +374,8 @@ def paged_attention(
     ``out``: optional preallocated ``[num_tokens, num_q_heads, head_dim]`` output.
     ``block_m`` / ``tile_n``: override the tile shapes (tests).
     ``sliding_window`` / ``softcap`` / ``sinks``: see the module docstring (None: none).
+    An FP8 cache (``torch.float8_e4m3fn``, a scale of 1) is read into ``q``'s dtype, decoded
+    in arithmetic on GPUs without the e4m3 type (``decode_e4m3``: by default before sm_89).
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -371,7 +386,10 @@ def paged_attention(
     assert head_dim_c == head_dim, (head_dim_c, head_dim)
     assert v_cache.shape == k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 or q.dtype == k_cache.dtype, (q.dtype, k_cache.dtype)
+    decode = fp8 and (e4m3_in_arithmetic(k_cache.device) if decode_e4m3 is None else decode_e4m3)
     assert block_tables.dim() == 2
     num_seqs = block_tables.shape[0]
     assert query_start_loc.shape[0] == num_seqs + 1 and seq_lens.shape[0] == num_seqs
@@ -392,7 +410,7 @@ def paged_attention(
     g = num_q_heads // num_kv_heads
     g_pad = next_pow2(g)
     head_dim_pad = max(16, next_pow2(head_dim))
-    bm, tn, num_warps, num_stages = _pick_tiles(max_query_len, g_pad, head_dim_pad, q.element_size())
+    bm, tn, num_warps, num_stages = _pick_tiles(max_query_len, g_pad, head_dim_pad, q.element_size(), decode)
     if block_m is not None:
         bm = block_m
     if tile_n is not None:
@@ -419,8 +437,8 @@ def paged_attention(
     grid = (num_q_blocks, num_seqs, num_kv_heads * num_kv_splits)
     _paged_attn_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if decode else k_cache,
+        v_cache.view(torch.uint8) if decode else v_cache,
         block_tables,
         query_start_loc,
         seq_lens,
@@ -458,6 +476,7 @@ def paged_attention(
         SLIDING_WINDOW=int(sliding_window or 0),
         SOFTCAP=float(softcap or 0.0),
         HAS_SINKS=sinks is not None,
+        KV_FP8=2 if decode else int(fp8),
         num_warps=num_warps,
         num_stages=num_stages,
     )

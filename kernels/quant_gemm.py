@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import e4m3_in_arithmetic, e4m3_to_float
 from .utils import cdiv
 
 
@@ -169,7 +170,7 @@ def _fp8_block_gemm_kernel(
         # The launcher keeps a K tile inside one scale block.
         scale = tl.load(scale_rows + k0 // SCALE_BLOCK_K, mask=mask_n, other=0.0)
         if DECODE_E4M3:  # noqa: SIM108 - a constexpr branch, compiled out by Triton
-            w = _e4m3_to_float(w)
+            w = e4m3_to_float(w)
         else:
             w = w.to(tl.float32)
         w = (w * scale[:, None]).to(x.dtype)
@@ -179,22 +180,6 @@ def _fp8_block_gemm_kernel(
             acc += tl.dot(x, tl.trans(w))
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _e4m3_to_float(bits):
-    """e4m3fn bytes (as uint8) to float32 in arithmetic, for GPUs without the e4m3 type
-    (before sm_89): ``(8 + m) * 2**(e - 10)``, subnormals ``m * 2**-9``."""
-    b = bits.to(tl.int32)
-    e = (b >> 3) & 0xF
-    m = (b & 0x7).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
-    return tl.where((b & 0x80) != 0, -mag, mag)
-
-
-def decode_e4m3_in_kernel(device: torch.device) -> bool:
-    """Whether the GPU lacks the e4m3 type (compute capability below 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
 def choose_fp8_tiles(m: int, block_k: int) -> tuple[int, int, int, int]:
@@ -230,7 +215,7 @@ def fp8_block_gemm(
     if m == 0:
         return out
     bm, bn, bk, warps = choose_fp8_tiles(m, block[1])
-    decode = decode_e4m3_in_kernel(x.device) if decode_e4m3 is None else decode_e4m3
+    decode = e4m3_in_arithmetic(x.device) if decode_e4m3 is None else decode_e4m3
     _fp8_block_gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](
         x,
         weight.view(torch.uint8) if decode else weight,

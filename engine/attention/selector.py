@@ -11,14 +11,11 @@ from engine.attention.triton_backend import TritonAttention, triton_available
 from engine.config import ATTENTION_BACKENDS
 
 
-def create_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend called ``name`` (one of ``ATTENTION_BACKENDS``) for a model on ``device``
-    whose KV cache holds ``kv_dtype``. An FP8 cache is read by the torch backend only so far."""
-    fp8 = kv_dtype == torch.float8_e4m3fn
+    (both read a KV cache of the model's dtype or FP8)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() and not fp8 else "torch"
-    if name == "triton" and fp8:
-        raise ValueError("kv_cache_dtype='fp8' is read by the torch attention backend only so far, not 'triton'")
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":

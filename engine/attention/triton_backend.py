@@ -93,7 +93,7 @@ class TritonAttention(AttentionBackend):
     ) -> torch.Tensor:
         meta, ops = self.meta, self._ops
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if q.dtype != k_cache.dtype:
+        if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:  # (FP8 is read into q's dtype)
             q = q.to(k_cache.dtype)
         return ops.paged_attention(
             q,

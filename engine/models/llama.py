@@ -98,6 +98,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # The weights its forward only passes to ``F.linear``: a quantized checkpoint may keep them
+    # quantized, multiplied through a kernel (``engine.quantization.kept``).
+    quantized_linears = ("qkv_weight", "o_weight")
     # This layer's attention window (``ModelSpec.layer_window``) and soft cap on the scores.
     sliding_window: int | None = None
     softcap: float | None = None
@@ -144,6 +147,8 @@ class FeedForward(nn.Module):
 
 
 class MLP(FeedForward):
+    # The weights its forward only passes to ``F.linear`` (``engine.quantization.kept``).
+    quantized_linears = ("gate_up_weight", "down_weight")
     # The kernels it runs: ``kernels.reference``'s, or the Triton ones (``use_kernel_ops``).
     ops: ModuleType = reference
 

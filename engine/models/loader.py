@@ -27,6 +27,7 @@ from engine.models.transformers_fallback import (
     resolve_model_impl,
 )
 from engine.quantization import QuantScheme, scheme_from_config
+from engine.quantization.kept import KeptWeights
 from engine.quantization.loading import dequantized
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -154,6 +155,7 @@ def load_model(
     model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
+    kept = KeptWeights(model, device)
     for source, checkpoint_name, read in tensors:
         name = model.checkpoint_name(checkpoint_name)
         if name is None:
@@ -171,9 +173,11 @@ def load_model(
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
         # (into the tensor's own dtype: the model's, or float32 where a layer keeps it, as DeepSeek's router)
         target.data[offset : offset + rows].copy_(tensor.to(target.dtype))
+        kept.offer(target, offset, read)
         missing.discard(name)
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    kept.install()
     return model.eval()
 
 

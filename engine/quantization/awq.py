@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
+from engine.quantization.kernel_weights import Int4Weight
 from engine.quantization.packing import unpack_int32
 
 # Where each output column of a group of eight sits among a word's nibbles, inverted.
@@ -58,6 +59,11 @@ class AwqScheme(QuantScheme):
         zeros = zeros.repeat_interleave(group_size, dim=0)[:cols]
         scales = scales.repeat_interleave(group_size, dim=0)[:cols]
         return ((q - zeros) * scales).t().contiguous()
+
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> Int4Weight | None:
+        q = _unpack_awq(parts["qweight"])  # [in, out]
+        zeros = _unpack_awq(parts["qzeros"])[:, : q.shape[1]]  # [groups, out]
+        return Int4Weight.from_groups(q.t(), parts["scales"].float().t(), zeros.t())
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:

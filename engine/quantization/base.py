@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.quantization.kernel_weights import KernelWeight
+
 
 @dataclass(frozen=True)
 class QuantizedTensor:
@@ -38,6 +40,11 @@ class QuantScheme(ABC):
     @abstractmethod
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The float32 tensor the parts (by role) store."""
+
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> KernelWeight | None:
+        """The parts in a GEMM kernel's layout, kept quantized, or ``None`` where no kernel
+        serves them (the weight is then dequantized)."""
+        return None
 
 
 def find_by_suffix(

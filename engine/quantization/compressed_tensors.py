@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
-from engine.quantization.fp8 import dequantize_blocks
+from engine.quantization.fp8 import dequantize_blocks, fp8_kernel_weight
+from engine.quantization.kernel_weights import Int4Weight, KernelWeight, consecutive_groups
 from engine.quantization.packing import unpack_int32
 
 _PACKED = "pack-quantized"
@@ -131,6 +132,20 @@ class CompressedTensorsScheme(QuantScheme):
         if "zero_point" in parts:
             zero = unpack_int32(parts["zero_point"], bits, dim=0)[:rows] - offset
         return (q - _per_column(zero, cols, parts.get("g_idx"))) * _per_column(scale, cols, parts.get("g_idx"))
+
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> KernelWeight | None:
+        if "packed" not in parts:
+            return fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+        if self.packed_bits != 4 or not consecutive_groups(parts.get("g_idx"), parts["scale"].shape[-1]):
+            return None
+        rows, cols = (int(n) for n in parts["shape"].tolist())
+        # The stored integers are offset by 8: unsigned already, as the kernel reads them.
+        q = unpack_int32(parts["packed"], 4, dim=1)[:, :cols]
+        scale = parts["scale"].float().reshape(rows, -1)
+        zero = torch.full(scale.shape, 8, dtype=torch.int64)
+        if "zero_point" in parts:
+            zero = unpack_int32(parts["zero_point"], 4, dim=0)[:rows].reshape(rows, -1)
+        return Int4Weight.from_groups(q, scale, zero)
 
 
 def _per_column(value: torch.Tensor, cols: int, g_idx: torch.Tensor | None) -> torch.Tensor:

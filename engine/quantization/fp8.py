@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
+from engine.quantization.kernel_weights import Fp8Weight
 
 
 class Fp8Scheme(QuantScheme):
@@ -46,6 +47,19 @@ class Fp8Scheme(QuantScheme):
         if self.block is None:
             raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} without weight_block_size in the config")
         return dequantize_blocks(weight.float(), scale, self.block)
+
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> Fp8Weight | None:
+        return fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+
+
+def fp8_kernel_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Weight | None:
+    """An e4m3 weight with one scale, one per row, or one per ``block``, for ``fp8_block_gemm``."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        return None
+    rows = weight.shape[0]
+    if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
+        return Fp8Weight.per_row(weight, scale)
+    return Fp8Weight.blocks(weight, scale, block) if block is not None else None
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
+from engine.quantization.kernel_weights import Int4Weight, consecutive_groups
 from engine.quantization.packing import unpack_int32
 
 
@@ -82,3 +83,12 @@ class GptqScheme(QuantScheme):
             g_idx = torch.arange(q.shape[0]) // size
         g = g_idx.long()
         return ((q - zeros[g]) * scales[g]).t().contiguous()
+
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> Int4Weight | None:
+        q = unpack_int32(parts["qweight"], self.bits, dim=0)  # [in, out]
+        scales = parts["scales"].float()  # [groups, out]
+        # The kernel reads groups of consecutive inputs: activation order (desc_act) is dequantized.
+        if self.bits != 4 or not consecutive_groups(parts.get("g_idx"), scales.shape[0]):
+            return None
+        zeros = unpack_int32(parts["qzeros"], 4, dim=1)[:, : q.shape[1]] + self.zero_offset
+        return Int4Weight.from_groups(q.t(), scales.t(), zeros.t())

@@ -6,13 +6,13 @@ parallelism, each rank dequantizes a tensor and keeps its shard."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from engine.distributed.sharding import Shard
 from engine.quantization.base import QuantScheme
+from engine.quantization.kernel_weights import KernelWeight
 
 # Reads a checkpoint tensor, or only the given ``Shard`` of it (``engine.models.loader``).
 Reader = Callable[[Shard | None], torch.Tensor]
@@ -30,12 +30,7 @@ def dequantized(
     consumed = {part for q in quantized for part in q.parts.values()}
     for q in quantized:
         first = next(iter(q.parts.values()))
-
-        def read(shard: Shard | None, parts: Any = q.parts) -> torch.Tensor:
-            tensor = scheme.dequantize({role: get(name) for role, name in parts.items()})
-            return tensor if shard is None else shard.take(tensor)
-
-        yield sources[first], q.name, read
+        yield sources[first], q.name, QuantizedReader(scheme, q.parts, get)
     for name, source in sources.items():
         if name in consumed or name.endswith(scheme.unused_suffixes):
             continue
@@ -50,3 +45,21 @@ def dequantized(
             return tensor if shard is None else shard.take(tensor)
 
         yield source, name, plain
+
+
+class QuantizedReader:
+    """A quantized tensor's reader: called, its dequantized tensor (or shard of it);
+    ``kernel_weight()``, its parts in a GEMM kernel's layout, or ``None``."""
+
+    def __init__(self, scheme: QuantScheme, parts: Mapping[str, str], get: Callable[[str], torch.Tensor]) -> None:
+        self.scheme, self.parts, self.get = scheme, parts, get
+
+    def __call__(self, shard: Shard | None) -> torch.Tensor:
+        tensor = self.scheme.dequantize(self._read())
+        return tensor if shard is None else shard.take(tensor)
+
+    def kernel_weight(self) -> KernelWeight | None:
+        return self.scheme.kernel_weight(self._read())
+
+    def _read(self) -> dict[str, torch.Tensor]:
+        return {role: self.get(name) for role, name in self.parts.items()}

@@ -19,3 +19,13 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     shape = list(packed.shape)
     shape[dim] *= per_word
     return values.reshape(shape)
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``unpack_int32``'s inverse along the last dim: ``32 // bits`` unsigned integers a word,
+    the first in the lowest bits, as int32 (two's complement)."""
+    per_word = 32 // bits
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (v << shifts).sum(-1)  # the fields do not overlap: the sum is their bitwise or
+    return (words - ((words >> 31) << 32)).to(torch.int32)

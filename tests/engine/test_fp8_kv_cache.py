@@ -1,10 +1,10 @@
 """``kv_cache_dtype="fp8"``: K/V stored as e4m3 (scale 1), read back by the torch attention
-backend; the memory budget counts one byte an element. Teacher-forced against transformers:
-each generated token's logprob under ours and under transformers' float32 forward over the
-same tokens, where transformers' attention gets its keys and values rounded through e4m3 (an
-attention function registered with its ``AttentionInterface``), agrees within
-``FP8_LOGPROB_BOUND``; the same engine with the model's dtype agrees with plain transformers
-to float32 rounding."""
+backend and by the triton one (its kernels in the interpreter here); the memory budget
+counts one byte an element. Teacher-forced against transformers: each generated token's
+logprob under ours and under transformers' float32 forward over the same tokens, where
+transformers' attention gets its keys and values rounded through e4m3 (an attention
+function registered with its ``AttentionInterface``), agrees within ``FP8_LOGPROB_BOUND``;
+the same engine with the model's dtype agrees with plain transformers to float32 rounding."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.selector import create_backend
 from tests.engine.reference import oracle_model
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours cold water", "Tea"]
@@ -80,8 +79,14 @@ def test_the_budget_counts_one_byte_per_element(tiny_models, make_llm):
     assert fp8.engine.runner.num_blocks == 4 * auto.engine.runner.num_blocks  # float32: 4 bytes -> 1
 
 
-def test_fp8_kv_cache_is_refused_where_it_is_not_read():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*not 'triton'"):
-        create_backend("triton", torch.device("cpu"), torch.float8_e4m3fn)
+def test_the_triton_backend_reads_the_fp8_cache_within_the_bound(tiny_models, make_llm):
+    path = tiny_models("qwen3")
+    llm = make_llm(path, kv_cache_dtype="fp8", attention_backend="triton", block_size=4, max_num_batched_tokens=8)
+    fp8 = _logprob_errors(llm, path, fp8_reference=True, max_tokens=12)
+    print(f"logprob error: fp8 KV through the triton kernels {max(fp8):.1e} vs e4m3-rounded transformers")
+    assert max(fp8) < FP8_LOGPROB_BOUND
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM("unused", kv_cache_dtype="int8")

@@ -58,16 +58,19 @@ def _spill_bytes(kernel) -> int | None:
     return None
 
 
-def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softcap=0.0, sinks=False):
+def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softcap=0.0, sinks=False, fp8=False):
+    """``fp8``: an e4m3 KV cache, of the e4m3 type on sm_89+ and read as bytes before."""
+    kv_fp8 = 0 if not fp8 else (1 if arch >= 89 else 2)
+    cache = {0: "*" + dt, 1: "*fp8e4nv", 2: "*u8"}[kv_fp8]
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    bm, tn, nw, ns = _pick_tiles(max_query_len, g_pad, d_pad, ELEM[dt])
+    bm, tn, nw, ns = _pick_tiles(max_query_len, g_pad, d_pad, ELEM[dt], kv_fp8 == 2)
     ptr = "*" + dt
     part = "*fp32" if splits > 1 else ptr
     types = dict(
         q_ptr=ptr,
-        k_cache_ptr=ptr,
-        v_cache_ptr=ptr,
+        k_cache_ptr=cache,
+        v_cache_ptr=cache,
         block_tables_ptr="*i32",
         query_start_loc_ptr="*i32",
         seq_lens_ptr="*i32",
@@ -91,6 +94,7 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         SLIDING_WINDOW=window,  # constants of the kernel: 0 compiles the code without a window
         SOFTCAP=softcap,
         HAS_SINKS=sinks,
+        KV_FP8=kv_fp8,
     )
     strides = [n for n in _paged_attn_kernel.arg_names if n.startswith("stride_")]
     strides.remove("stride_bt")
@@ -108,6 +112,7 @@ def attention(dt, arch, group, head_dim, max_query_len, splits, window=0, softca
         window=window,
         softcap=softcap,
         sinks=sinks,
+        kv_fp8=kv_fp8,
         config=[bm, tn, nw, ns],
         shared=k.metadata.shared,
         spill=_spill_bytes(k),
@@ -161,13 +166,16 @@ def others(arch):
             t,
             num_warps=4,
         )
-    _compile(
-        _write_kv_cache_kernel,
-        dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"),
-        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
-        t,
-        num_warps=4,
-    )
+    # The KV write into a bf16 cache and an FP8 one (the e4m3 type, or bytes encoded before sm_89).
+    fp8_cache, encode = ("*fp8e4nv", False) if arch >= 89 else ("*u8", True)
+    for cache, enc in (("*bf16", False), (fp8_cache, encode)):
+        _compile(
+            _write_kv_cache_kernel,
+            dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_ptr="*i64"),
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, ENCODE_E4M3=enc),
+            t,
+            num_warps=4,
+        )
     _compile(
         _rms_norm_kernel,
         dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16", eps="fp32"),
@@ -263,6 +271,14 @@ def main():
     for mql, splits, window in ((1, 1, 0), (1, 8, 0), (512, 1, 0), (1, 1, 128), (512, 1, 128)):
         for arch in (90, 80):
             results.append(attention("bf16", arch, 8, 64, mql, splits, window=window, sinks=True))
+    # An FP8 KV cache: Llama-3-8B-like decode (whole and split) and prefill, gpt-oss's sinks and
+    # window, Gemma 2's window and soft cap.
+    for arch in (90, 80):
+        for mql, splits in ((1, 1), (1, 8), (512, 1)):
+            results.append(attention("bf16", arch, 4, 128, mql, splits, fp8=True))
+        results.append(attention("bf16", arch, 8, 64, 1, 1, window=128, sinks=True, fp8=True))
+        results.append(attention("bf16", arch, 2, 256, 512, 1, window=4096, softcap=50.0, fp8=True))
+        results.append(attention("fp16", arch, 1, 64, 1, 1, fp8=True))
     # DeepSeek-V3's latent attention (rank 512, rope 64), whole and with split keys.
     for dt, splits in (("bf16", 1), ("bf16", 4), ("fp16", 1)):
         for arch in (90, 80):

@@ -33,6 +33,8 @@ def test_kernels_compile_for_gpu_without_spills():
     assert len(attn) >= 10
     assert any(r["window"] and r["softcap"] for r in attn)  # Gemma's layers compiled too
     assert {r["arch"] for r in attn if r["sinks"] and r["window"]} == {90, 80}  # and gpt-oss's
+    # FP8 KV caches: the e4m3 type on sm_90, bytes decoded in arithmetic on sm_80
+    assert {(r["arch"], r["kv_fp8"]) for r in attn if r["kv_fp8"]} == {(90, 1), (80, 2)}
     for r in attn:
         assert r["shared"] <= 100 * 1024, r  # fits sm_86/sm_89 (and everything larger)
         if r["spill"] is not None:
