@@ -85,9 +85,10 @@ class ModelRunner:
         begin = time.perf_counter()
         self.num_kv_heads = local_kv_heads(spec.num_kv_heads, self.tp.world_size)  # this rank's
         # A hybrid model keeps K/V for its full-attention layers only, and a state slot per
-        # running request (``engine.state_cache``), reserved out of the same budget.
+        # running request (``engine.state_cache``, plus one for decode graphs' padding rows),
+        # reserved out of the same budget.
         self.num_kv_layers = kv_layer_count(self.model, spec.num_layers)
-        self.state_bytes = config.scheduler.max_num_seqs * state_bytes_per_seq(self.model)
+        self.state_bytes = (config.scheduler.max_num_seqs + 1) * state_bytes_per_seq(self.model)
         self.num_blocks = self._agreed_num_blocks()
         shape = (self.num_kv_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -50,6 +50,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_qwen3_5.py::test_the_transformers_fallback_refuses_linear_attention",
     "tests/kernels/test_gated_delta_reference.py::test_chunked_rule_matches_transformers",
     "tests/kernels/test_gated_delta_triton.py::test_prefill_matches_the_reference",
+    "tests/engine/test_cuda_graphs.py::test_hybrid_decode_graphs_match_transformers",
     "tests/kernels/test_gated_delta_in_model.py::test_qwen3_5_on_the_cuda_path_runs_the_triton_delta_rule_and_matches_transformers",
     "tests/worker/entrypoints/test_run_hybrid.py::test_run_answers_with_a_tiny_qwen3_5",
     "tests/engine/test_correctness.py::test_chunked_prefill_under_a_small_token_budget",

@@ -21,7 +21,8 @@ decodes run the recurrent form batched; both through ``GatedDeltaNet.delta``: th
 (one request at a time for prefills) or, on CUDA, the Triton kernels (``kernels.gated_delta_triton``,
 one launch for all the step's prefills, one for its decodes). The step's state slots are read
 from the block tables on the device, so decode needs no host data beyond the attention
-backend's; the per-request prefill loop reads them once per step.
+backend's and is captured in CUDA graphs; the per-request conv loop of prefills reads them once
+per step.
 """
 
 from __future__ import annotations
@@ -54,28 +55,36 @@ class LinearStep:
     slots: torch.Tensor  # [num_seqs] int64, on the device
     fresh: torch.Tensor  # [num_seqs] bool: its first computed token is in this step
     slots_host: list[int]  # prefills' (decodes' are not read on the host)
-    fresh_host: list[bool]
+    fresh_host: list[bool]  # prefills'
     query_lens: list[int]
     # The prefills' rows: prefill ``b`` on rows ``prefill_starts[b]:prefill_starts[b + 1]`` after
-    # the decodes' (int32, on the device; empty in a decode-only step).
-    prefill_starts: torch.Tensor
+    # the decodes' (int32, on the device; None in a decode-only step).
+    prefill_starts: torch.Tensor | None
 
 
 def linear_step(backend: AttentionBackend, state: LinearStateCache) -> LinearStep:
+    """The step's slots and fresh flags, computed on the device from the backend's metadata (a
+    captured decode graph replays them): a row with no context (a graph's padding) gets the
+    padding slot. Prefills' slots and flags are read on the host too, for the conv's loop."""
     meta = backend.meta  # type: ignore[attr-defined]  # (set by every backend's ``prepare``)
-    slots = state.slot_of_block[meta.block_tables[:, 0].long()]
-    starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)]
+    seq_lens = meta.seq_lens.long()
+    first_blocks = state.slot_of_block[meta.block_tables[:, 0].long()]
+    slots = torch.where(seq_lens > 0, first_blocks, state.padding_slot)
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    fresh = seq_lens - query_lens <= 0  # its first computed token is in this step (padding: too)
     nd = meta.num_decodes
-    prefill_slots = slots[nd:].tolist() if len(starts) > nd else []
     prefill_lens = meta.query_lens_host[nd:]
-    bounds = [0] * (len(prefill_lens) + 1) if prefill_lens else []
+    if not prefill_lens:
+        return LinearStep(nd, slots, fresh, [-1] * nd, [False] * nd, meta.query_lens_host, None)
+    starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)]
+    bounds = [0] * (len(prefill_lens) + 1)
     for b, n in enumerate(prefill_lens):
         bounds[b + 1] = bounds[b] + n
     return LinearStep(
         num_decodes=nd,
         slots=slots,
-        fresh=torch.tensor([s == 0 for s in starts], device=slots.device),
-        slots_host=[-1] * nd + prefill_slots,
+        fresh=fresh,
+        slots_host=[-1] * nd + slots[nd:].tolist(),
         fresh_host=[s == 0 for s in starts],
         query_lens=meta.query_lens_host,
         prefill_starts=torch.tensor(bounds, dtype=torch.int32, device=slots.device),
@@ -150,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             conv_out, conv[slots] = gated_delta.causal_conv1d_decode(mixed[:nd], weight, conv[slots] * keep)
             q, k, v = self._heads(conv_out)
             self.delta.gated_delta_decode(q, k, v, g[:nd], beta[:nd], recurrent, slots, step.fresh[:nd], out[:nd])
-        if len(step.query_lens) > nd:
+        if step.prefill_starts is not None:
             conv_out = torch.empty_like(mixed[nd:])
             row = 0
             for b in range(nd, len(step.query_lens)):
@@ -203,8 +212,8 @@ class HybridLayer(DecoderLayer):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    # Prefill's per-request loop reads state slots on the host; decode is not captured (yet).
-    supports_cuda_graphs = False
+    # A decode step reads its state slots and fresh flags on the device (``linear_step``).
+    supports_cuda_graphs = True
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         if spec.linear_attention is None:
@@ -321,6 +330,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Every layer's feed-forward block is a ``SparseMoE`` with a gated shared expert."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec, max_len, dtype, device)
+        # As for the other MoE models: the token-sorted path reads expert counts on the host.
+        self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, SparseMoE))
 
     def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
         moe = self.spec.moe
