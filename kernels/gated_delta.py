@@ -153,3 +153,13 @@ def gated_delta_prefill(
         qb, kb = q[rows].repeat_interleave(rep, dim=1), k[rows].repeat_interleave(rep, dim=1)
         o, states[slot] = gated_delta_rule_chunked(qb, kb, v[rows], g[rows], beta[rows], state)
         out[rows] = o
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
+) -> torch.Tensor:
+    """One new input per sequence, ``x [B, C]``, the conv states in slots (``states [num_slots, C,
+    K - 1]``, updated in place at ``slots``; ``fresh``: from zeros). Returns ``[B, C]``."""
+    keep = (~fresh.bool()).view(-1, 1, 1)
+    out, states[slots] = causal_conv1d_decode(x, weight, torch.where(keep, states[slots], 0))
+    return out

@@ -190,6 +190,66 @@ def _delta_prefill_kernel(
     # A fresh sequence with no rows leaves its slot as it was (the model never asks that).
 
 
+@triton.jit
+def _conv_update_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    slot_ptr,
+    fresh_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    stride_ss,
+    channels,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_j = tl.arange(0, BK)  # tap j of the window: state[:, j] for j < K - 1, then x
+    mc = offs_c < channels
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + offs_c[:, None] * (K - 1) + offs_j[None, :]
+    s_mask = mc[:, None] & (offs_j[None, :] < K - 1)
+    window = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    window = tl.where(tl.load(fresh_ptr + b) != 0, 0.0, window)
+    x = tl.load(x_ptr + b * stride_x + offs_c, mask=mc, other=0.0)
+    window = tl.where(offs_j[None, :] == K - 1, x[:, None], window)  # [BC, BK]: the K inputs
+    w = tl.load(w_ptr + offs_c[:, None] * K + offs_j[None, :], mask=mc[:, None] & (offs_j[None, :] < K), other=0.0)
+    # In the weight's dtype, as the reference's conv (then SiLU in float32, rounded once).
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1).to(w_ptr.dtype.element_ty).to(tl.float32)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * stride_o + offs_c, out.to(out_ptr.dtype.element_ty), mask=mc)
+    # The new state: the window shifted by one (taps 1..K-1), read back from the slot's old
+    # values and x. Each thread stores what it loaded, shifted through a second load.
+    shifted = tl.load(s_ptrs + 1, mask=mc[:, None] & (offs_j[None, :] < K - 2), other=0.0)
+    shifted = tl.where(tl.load(fresh_ptr + b) != 0, 0.0, shifted)
+    shifted = tl.where(offs_j[None, :] == K - 2, x[:, None], shifted)
+    tl.debug_barrier()  # every thread has read the old state before any writes the new one
+    tl.store(s_ptrs, shifted.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
+) -> torch.Tensor:
+    """One new input per sequence; see ``kernels.gated_delta.causal_conv1d_update``."""
+    batch, channels = x.shape
+    k = weight.shape[1]
+    assert weight.shape == (channels, k) and states.shape[1:] == (channels, k - 1) and states.is_contiguous()
+    assert x.stride(-1) == 1 and slots.shape == fresh.shape == (batch,)
+    out = torch.empty_like(x)
+    if batch:
+        block = min(256, next_pow2(channels))
+        _conv_update_kernel[(batch, cdiv(channels, block))](
+            x, weight.contiguous(), states, slots, fresh.to(torch.int8), out,
+            x.stride(0), out.stride(0), states.stride(0), channels,
+            K=k, BK=next_pow2(k), BC=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def _check(q, k, v, g, beta, states, slots, fresh, out) -> tuple[int, int, int]:
     tokens, k_heads, dk = k.shape
     v_heads, dv = v.shape[1], v.shape[2]

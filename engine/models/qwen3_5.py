@@ -126,8 +126,8 @@ class GatedAttention(Attention):
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer; ``layer_state`` is its (conv, recurrent) slot tensors."""
 
-    # The gated delta rule over the step's slots: ``kernels.gated_delta`` (the torch references)
-    # or ``kernels.gated_delta_triton`` (``use_kernel_ops``).
+    # The decodes' conv and the gated delta rule over the step's slots: ``kernels.gated_delta``
+    # (the torch references) or ``kernels.gated_delta_triton`` (``use_kernel_ops``).
     delta: ModuleType = gated_delta
 
     def __init__(self, spec: ModelSpec, lin: LinearAttentionSpec, dtype: torch.dtype, device: torch.device) -> None:
@@ -154,9 +154,8 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(x.shape[0], lin.num_v_heads, lin.v_head_dim, dtype=x.dtype, device=x.device)
         nd = step.num_decodes
         if nd:
-            keep = (~step.fresh[:nd]).view(nd, 1, 1)
             slots = step.slots[:nd]
-            conv_out, conv[slots] = gated_delta.causal_conv1d_decode(mixed[:nd], weight, conv[slots] * keep)
+            conv_out = self.delta.causal_conv1d_update(mixed[:nd], weight, conv, slots, step.fresh[:nd])
             q, k, v = self._heads(conv_out)
             self.delta.gated_delta_decode(q, k, v, g[:nd], beta[:nd], recurrent, slots, step.fresh[:nd], out[:nd])
         if step.prefill_starts is not None:

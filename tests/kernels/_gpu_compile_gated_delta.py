@@ -18,6 +18,7 @@ from kernels.gated_delta_triton import (
     PREFILL_BV,
     PREFILL_CHUNK,
     PREFILL_WARPS,
+    _conv_update_kernel,
     _delta_decode_kernel,
     _delta_prefill_kernel,
 )
@@ -54,8 +55,18 @@ def delta(kind: str, dt: str, arch: int) -> dict:
     return dict(kernel=f"gated_delta/{kind}", dtype=dt, arch=arch, shared=k.metadata.shared, spill=_spill_bytes(k))
 
 
+def conv_update(dt: str, arch: int) -> dict:
+    """The conv's decode update over Qwen3.5-9B's 8192 conv channels (q, k, v), 4 taps."""
+    types = dict(x_ptr="*" + dt, w_ptr="*" + dt, state_ptr="*" + dt, slot_ptr="*i64", fresh_ptr="*i8", out_ptr="*" + dt)
+    strides = ["stride_x", "stride_o", "stride_ss", "channels"]
+    k = _compile(_conv_update_kernel, types, dict(K=4, BK=4, BC=256), GPUTarget("cuda", arch, 32), div16=strides,
+                 num_warps=4)  # fmt: skip
+    return dict(kernel="gated_delta/conv_update", dtype=dt, arch=arch, shared=k.metadata.shared, spill=_spill_bytes(k))
+
+
 def main() -> None:
     results = [delta(kind, dt, arch) for kind in ("decode", "prefill") for dt in ("bf16", "fp32") for arch in (90, 80)]
+    results += [conv_update(dt, arch) for dt in ("bf16", "fp32") for arch in (90, 80)]
     print(json.dumps(results))
 
 

@@ -25,7 +25,7 @@ def test_gated_delta_kernels_compile_without_spills():
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["kernel"], r["arch"]) for r in results} == {
-        (f"gated_delta/{kind}", arch) for kind in ("decode", "prefill") for arch in (90, 80)
+        (f"gated_delta/{kind}", arch) for kind in ("decode", "prefill", "conv_update") for arch in (90, 80)
     }
     for r in results:
         assert r["shared"] <= 100 * 1024, r

@@ -44,7 +44,7 @@ def test_qwen3_5_on_the_cuda_path_runs_the_triton_delta_rule_and_matches_transfo
     assert all(m.delta is gated_delta_triton for m in layers)
 
     calls: Counter[str] = Counter()
-    for name in ("gated_delta_decode", "gated_delta_prefill"):
+    for name in ("gated_delta_decode", "gated_delta_prefill", "causal_conv1d_update"):
         kernel = getattr(gated_delta_triton, name)
 
         def counting(*args, _kernel=kernel, _name=name):
@@ -54,6 +54,6 @@ def test_qwen3_5_on_the_cuda_path_runs_the_triton_delta_rule_and_matches_transfo
         monkeypatch.setattr(gated_delta_triton, name, counting)
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert_outputs_match(HFReference(path), PROMPTS, MAX_TOKENS, outs)
-    assert calls["gated_delta_prefill"] and calls["gated_delta_decode"], calls
+    assert calls["gated_delta_prefill"] and calls["gated_delta_decode"] and calls["causal_conv1d_update"], calls
     state = llm.engine.runner.state_cache
     assert state is not None and bool((state.slot_of_block == -1).all())  # every slot released

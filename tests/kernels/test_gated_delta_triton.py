@@ -113,3 +113,23 @@ def test_prefill_then_decodes_continue_the_recurrence():
                                         not_fresh, got[rows])  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(states[1].cpu(), want_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_matches_the_reference_over_steps(dtype):
+    """Three decode steps of the causal conv1d over states in slots (one sequence fresh at the
+    first), against ``kernels.gated_delta.causal_conv1d_update``; other slots untouched."""
+    gen = torch.Generator().manual_seed(8)
+    channels, taps, batch = 300, 4, 3  # more channels than one program's block
+    weight = torch.randn(channels, taps, generator=gen).to(dtype)
+    states = torch.randn(6, channels, taps - 1, generator=gen).to(dtype)
+    slots = torch.tensor([4, 1, 2])
+    want_states, got_states = states.clone(), states.to(DEVICE)
+    for step in range(3):
+        x = torch.randn(batch, channels, generator=gen).to(dtype)
+        fresh = torch.tensor([step == 0, False, step == 0])
+        want = ref.causal_conv1d_update(x, weight, want_states, slots, fresh)
+        got = triton_delta.causal_conv1d_update(*_on(DEVICE, x, weight, got_states), *_on(DEVICE, slots, fresh))
+        torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+        torch.testing.assert_close(got_states.cpu(), want_states, **TOL[dtype])
+    assert torch.equal(got_states.cpu()[[0, 3, 5]], states[[0, 3, 5]])
