@@ -89,8 +89,9 @@ class ModelRunner:
         self.kv_layout = KVLayout.for_model(spec, self.tp.world_size)
         self.num_kv_heads = self.kv_layout.heads
         # A hybrid model keeps K/V for its full-attention layers only (``ModelSpec.kv_cache_layers``),
-        # and a state slot per running request (``engine.state_cache``), reserved out of the same budget.
-        self.state_bytes = config.scheduler.max_num_seqs * state_bytes_per_seq(self.model)
+        # and a state slot per running request (``engine.state_cache``, plus one for decode graphs'
+        # padding rows), reserved out of the same budget.
+        self.state_bytes = (config.scheduler.max_num_seqs + 1) * state_bytes_per_seq(self.model)
         self.num_blocks = self._agreed_num_blocks()
         self.kv_cache, self.kv_caches = self.kv_layout.allocate(
             self.num_blocks, self.block_size, self.kv_dtype, self.device

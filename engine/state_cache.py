@@ -20,18 +20,24 @@ from engine.models.hybrid_config import LinearAttentionSpec
 
 @dataclass
 class LinearStateCache:
-    conv: list[torch.Tensor]  # per linear layer: [num_slots, conv_dim, conv_kernel - 1], model dtype
-    recurrent: list[torch.Tensor]  # per linear layer: [num_slots, v heads, dk, dv], float32
+    # One slot more than requests can hold: the padding rows of a captured decode graph (no
+    # request, stale block tables) read and write that one, never a request's.
+    conv: list[torch.Tensor]  # per linear layer: [num_slots + 1, conv_dim, conv_kernel - 1], model dtype
+    recurrent: list[torch.Tensor]  # per linear layer: [num_slots + 1, v heads, dk, dv], float32
     # The slot of the request whose first KV block each block is (-1: none).
     slot_of_block: torch.Tensor  # [num_kv_blocks] int64
     num_slots: int
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_slots
 
     @classmethod
     def allocate(
         cls, spec: LinearAttentionSpec, num_slots: int, num_blocks: int, dtype: torch.dtype, device: torch.device
     ) -> LinearStateCache:
-        conv_shape = (num_slots, spec.conv_dim, spec.conv_kernel - 1)
-        rec_shape = (num_slots, spec.num_v_heads, spec.k_head_dim, spec.v_head_dim)
+        conv_shape = (num_slots + 1, spec.conv_dim, spec.conv_kernel - 1)
+        rec_shape = (num_slots + 1, spec.num_v_heads, spec.k_head_dim, spec.v_head_dim)
         layers = range(spec.num_linear_layers)
         return cls(
             conv=[torch.zeros(conv_shape, dtype=dtype, device=device) for _ in layers],

@@ -101,3 +101,65 @@ def gated_delta_rule_chunked(
         s = s * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ new_v
     out = out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
     return out, s
+
+
+# ---- over a batch, the states in slots (the signatures ``kernels.gated_delta_triton`` shares) ----
+# ``q, k [T, Hk, dk]`` (each key head serves ``Hv / Hk`` value heads), ``v [T, Hv, dv]``, ``g, beta
+# [T, Hv]``, ``states [num_slots, Hv, dk, dv]`` float32, updated in place at ``slots [B]``; a
+# sequence with ``fresh [B]`` true starts from a zero state. Outputs go into ``out [T, Hv, dv]``.
+
+
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """One token per sequence (``T == B``): the recurrent form, batched."""
+    rep = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    keep = (~fresh.bool()).view(-1, 1, 1, 1)
+    o, s = gated_delta_rule_recurrent(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1), states[slots] * keep
+    )
+    states[slots] = s
+    out.copy_(o[:, 0])
+
+
+def gated_delta_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    seq_starts: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Sequences of any length, sequence ``b`` on rows ``seq_starts[b]:seq_starts[b + 1]``: the
+    chunked form, one sequence at a time."""
+    rep = v.shape[1] // k.shape[1]
+    bounds = seq_starts.tolist()
+    for b, (slot, is_fresh) in enumerate(zip(slots.tolist(), fresh.tolist(), strict=True)):
+        rows = slice(bounds[b], bounds[b + 1])
+        state = torch.zeros_like(states[slot]) if is_fresh else states[slot]
+        qb, kb = q[rows].repeat_interleave(rep, dim=1), k[rows].repeat_interleave(rep, dim=1)
+        o, states[slot] = gated_delta_rule_chunked(qb, kb, v[rows], g[rows], beta[rows], state)
+        out[rows] = o
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
+) -> torch.Tensor:
+    """One new input per sequence, ``x [B, C]``, the conv states in slots (``states [num_slots, C,
+    K - 1]``, updated in place at ``slots``; ``fresh``: from zeros). Returns ``[B, C]``."""
+    keep = (~fresh.bool()).view(-1, 1, 1)
+    out, states[slots] = causal_conv1d_decode(x, weight, torch.where(keep, states[slots], 0))
+    return out

@@ -60,6 +60,8 @@ def use_kernel_ops(model: nn.Module, ops: ModuleType) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, MLP)):
             module.ops = ops
+        elif callable(hook := getattr(module, "use_kernel_ops", None)):  # layers with kernels of their own
+            hook(ops)
 
 
 class RotaryEmbedding(nn.Module):

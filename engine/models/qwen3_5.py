@@ -16,15 +16,19 @@ transformers' modules:
 - the feed-forward block: a SiLU MLP, or (MoE) ``engine.models.moe.SparseMoE`` with its
   softmax top-k router renormalised and a sigmoid-gated shared expert.
 
-Prefill chunks run the chunked delta rule one request at a time, from the request's state (zero
-at its first chunk); decodes run the recurrent form batched. The step's state slots are read
+Prefill chunks run the chunked delta rule, from each request's state (zero at its first chunk);
+decodes run the recurrent form batched; both through ``GatedDeltaNet.delta``: the torch references
+(one request at a time for prefills) or, on CUDA, the Triton kernels (``kernels.gated_delta_triton``,
+one launch for all the step's prefills, one for its decodes). The step's state slots are read
 from the block tables on the device, so decode needs no host data beyond the attention
-backend's; the per-request prefill loop reads them once per step.
+backend's and is captured in CUDA graphs; the per-request conv loop of prefills reads them once
+per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +43,7 @@ from engine.models.llama import MLP, Attention, DecoderLayer, FeedForward, Llama
 from engine.models.model_config import ModelSpec
 from engine.models.moe import SparseMoE
 from engine.state_cache import LinearStateCache
-from kernels import gated_delta
+from kernels import gated_delta, reference
 
 
 @dataclass
@@ -51,23 +55,39 @@ class LinearStep:
     slots: torch.Tensor  # [num_seqs] int64, on the device
     fresh: torch.Tensor  # [num_seqs] bool: its first computed token is in this step
     slots_host: list[int]  # prefills' (decodes' are not read on the host)
-    fresh_host: list[bool]
+    fresh_host: list[bool]  # prefills'
     query_lens: list[int]
+    # The prefills' rows: prefill ``b`` on rows ``prefill_starts[b]:prefill_starts[b + 1]`` after
+    # the decodes' (int32, on the device; None in a decode-only step).
+    prefill_starts: torch.Tensor | None
 
 
 def linear_step(backend: AttentionBackend, state: LinearStateCache) -> LinearStep:
+    """The step's slots and fresh flags, computed on the device from the backend's metadata (a
+    captured decode graph replays them): a row with no context (a graph's padding) gets the
+    padding slot. Prefills' slots and flags are read on the host too, for the conv's loop."""
     meta = backend.meta  # (set by every backend's ``prepare``)
-    slots = state.slot_of_block[meta.block_tables[:, 0].long()]
-    starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)]
+    seq_lens = meta.seq_lens.long()
+    first_blocks = state.slot_of_block[meta.block_tables[:, 0].long()]
+    slots = torch.where(seq_lens > 0, first_blocks, state.padding_slot)
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    fresh = seq_lens - query_lens <= 0  # its first computed token is in this step (padding: too)
     nd = meta.num_decodes
-    prefill_slots = slots[nd:].tolist() if len(starts) > nd else []
+    prefill_lens = meta.query_lens_host[nd:]
+    if not prefill_lens:
+        return LinearStep(nd, slots, fresh, [-1] * nd, [False] * nd, meta.query_lens_host, None)
+    starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)]
+    bounds = [0] * (len(prefill_lens) + 1)
+    for b, n in enumerate(prefill_lens):
+        bounds[b + 1] = bounds[b] + n
     return LinearStep(
         num_decodes=nd,
         slots=slots,
-        fresh=torch.tensor([s == 0 for s in starts], device=slots.device),
-        slots_host=[-1] * nd + prefill_slots,
+        fresh=fresh,
+        slots_host=[-1] * nd + slots[nd:].tolist(),
         fresh_host=[s == 0 for s in starts],
         query_lens=meta.query_lens_host,
+        prefill_starts=torch.tensor(bounds, dtype=torch.int32, device=slots.device),
     )
 
 
@@ -106,6 +126,10 @@ class GatedAttention(Attention):
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer; ``layer_state`` is its (conv, recurrent) slot tensors."""
 
+    # The decodes' conv and the gated delta rule over the step's slots: ``kernels.gated_delta``
+    # (the torch references) or ``kernels.gated_delta_triton`` (``use_kernel_ops``).
+    delta: ModuleType = gated_delta
+
     def __init__(self, spec: ModelSpec, lin: LinearAttentionSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.lin, self.eps = lin, spec.rms_norm_eps
@@ -130,40 +154,43 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(x.shape[0], lin.num_v_heads, lin.v_head_dim, dtype=x.dtype, device=x.device)
         nd = step.num_decodes
         if nd:
-            keep = (~step.fresh[:nd]).view(nd, 1, 1)
             slots = step.slots[:nd]
-            conv_out, conv[slots] = gated_delta.causal_conv1d_decode(mixed[:nd], weight, conv[slots] * keep)
+            conv_out = self.delta.causal_conv1d_update(mixed[:nd], weight, conv, slots, step.fresh[:nd])
             q, k, v = self._heads(conv_out)
-            o, s = gated_delta.gated_delta_rule_recurrent(
-                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1),
-                recurrent[slots] * keep.unsqueeze(-1),
-            )  # fmt: skip
-            recurrent[slots] = s
-            out[:nd] = o[:, 0].to(x.dtype)
-        row = nd
-        for b in range(nd, len(step.query_lens)):
-            rows, slot = slice(row, row + step.query_lens[b]), step.slots_host[b]
-            row = rows.stop
-            fresh = step.fresh_host[b]
-            conv_state = torch.zeros_like(conv[slot]) if fresh else conv[slot]
-            conv_out, conv[slot] = gated_delta.causal_conv1d(mixed[rows], weight, conv_state)
+            self.delta.gated_delta_decode(q, k, v, g[:nd], beta[:nd], recurrent, slots, step.fresh[:nd], out[:nd])
+        if step.prefill_starts is not None:
+            conv_out = torch.empty_like(mixed[nd:])
+            row = 0
+            for b in range(nd, len(step.query_lens)):
+                rows, slot = slice(row, row + step.query_lens[b]), step.slots_host[b]
+                row = rows.stop
+                conv_state = torch.zeros_like(conv[slot]) if step.fresh_host[b] else conv[slot]
+                conv_out[rows], conv[slot] = gated_delta.causal_conv1d(mixed[nd:][rows], weight, conv_state)
             q, k, v = self._heads(conv_out)
-            state = torch.zeros_like(recurrent[slot]) if fresh else recurrent[slot]
-            o, recurrent[slot] = gated_delta.gated_delta_rule_chunked(q, k, v, g[rows], beta[rows], state)
-            out[rows] = o.to(x.dtype)
+            self.delta.gated_delta_prefill(
+                q, k, v, g[nd:], beta[nd:], recurrent, step.prefill_starts, step.slots[nd:], step.fresh[nd:], out[nd:]
+            )
         normed = gated_rms_norm(out, z.view_as(out), self.norm_weight, self.eps)
         return F.linear(normed.reshape(x.shape[0], lin.value_dim), self.out_proj)
 
+    def use_kernel_ops(self, ops: ModuleType) -> None:
+        """Run the Triton gated delta kernels where the model runs the Triton ops
+        (``engine.models.llama.kernel_ops``'s choice), the torch references elsewhere."""
+        if ops is reference:
+            self.delta = gated_delta
+        else:
+            from kernels import gated_delta_triton  # imports Triton: only where it is wanted
+
+            self.delta = gated_delta_triton
+
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output as float32 q (normalised and scaled), k (normalised) and v, with
-        q and k repeated over the value heads they serve: ``[tokens, v heads, d]``."""
+        """The conv's output as float32 q (normalised and scaled) and k (normalised), ``[tokens,
+        k heads, dk]``, and v, ``[tokens, v heads, dv]`` (each key head serves ``v heads / k
+        heads`` value heads)."""
         lin = self.lin
         q, k, v = mixed.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
-        rep = lin.num_v_heads // lin.num_k_heads
         q = gated_delta.l2_normalise(q.float().view(-1, lin.num_k_heads, lin.k_head_dim)) * lin.k_head_dim**-0.5
         k = gated_delta.l2_normalise(k.float().view(-1, lin.num_k_heads, lin.k_head_dim))
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         return q, k, v.view(-1, lin.num_v_heads, lin.v_head_dim)
 
 
@@ -184,8 +211,8 @@ class HybridLayer(DecoderLayer):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    # Prefill's per-request loop reads state slots on the host; decode is not captured (yet).
-    supports_cuda_graphs = False
+    # A decode step reads its state slots and fresh flags on the device (``linear_step``).
+    supports_cuda_graphs = True
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         if spec.linear_attention is None:
@@ -297,6 +324,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Every layer's feed-forward block is a ``SparseMoE`` with a gated shared expert."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec, max_len, dtype, device)
+        # As for the other MoE models: the token-sorted path reads expert counts on the host.
+        self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, SparseMoE))
 
     def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
         moe = self.spec.moe

@@ -40,7 +40,7 @@ class QuantizedLinearWeight(torch.Tensor):
         tensor.kernel = kernel
         return tensor
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+    def __repr__(self, **_: Any) -> str:  # type: ignore[override]  # (torch passes tensor_contents)
         return f"QuantizedLinearWeight({type(self.kernel).__name__}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod

@@ -153,6 +153,30 @@ def test_the_captured_forward_never_syncs_with_the_host(model, make_llm):
     assert mode.seen == ["aten._local_scalar_dense.default"]
 
 
+@needs_triton
+def test_hybrid_decode_graphs_match_transformers(tiny_models, hf_reference, make_llm, monkeypatch):
+    """Qwen3.5's decode steps replay graphs: each row's state slot and fresh flag are read on
+    the device, and padding rows (stale block tables) use the padding slot, never a request's."""
+    model = tiny_models("qwen3_5", num_layers=4)
+    llm = _graph_llm(make_llm, model, max_num_seqs=8)
+    runner = llm.engine.runner
+    state, graphs = runner.state_cache, runner.graphs
+    assert state is not None and set(graphs.graphs) == {1, 2, 4, 8}
+    # Warm-up and capture ran padding rows only: no request's slot was written.
+    assert all(bool((t[: state.num_slots] == 0).all()) for t in (*state.conv, *state.recurrent))
+    runs = spy(monkeypatch, graphs, "run")
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(hf_reference(model), PROMPTS, MAX_TOKENS, outs)
+    steps = {(bucket, len(input_ids)) for (bucket, input_ids, *_), _ in runs}
+    assert (8, 5) in steps and (4, 3) in steps  # padded buckets replayed
+    assert bool((state.slot_of_block == -1).all())  # every slot released
+    llm.generate(PROMPTS[:1], greedy([2]))
+    mode = _HostSyncs()
+    with mode:
+        graphs._forward_fn(4)()
+    assert mode.seen == []
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (CONVEYOR_TEST_GPU=1)")
 def test_real_cuda_graphs_match_transformers(model, hf_reference, make_llm):
     llm = make_llm(model, device="cuda", dtype="float32", max_num_seqs=8)

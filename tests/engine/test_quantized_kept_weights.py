@@ -19,7 +19,6 @@ from tests.engine.reference import assert_outputs_match, greedy
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours", "A"]
 MAX_TOKENS = [8, 5, 6]
-LINEARS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
     "fp8-block": lambda: (
@@ -55,9 +54,10 @@ def _linears(llm) -> list[QuantizedLinearWeight]:
     return [getattr(m, name) for m in llm.engine.runner.model.modules() for name in getattr(m, "quantized_linears", ())]
 
 
+@pytest.mark.usefixtures("keep_on_cpu")
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_kept_weights_answer_as_transformers_on_the_stored_weights(
-    fmt, keep_on_cpu, tiny_models, tmp_path_factory, hf_reference, make_llm
+    fmt, tiny_models, tmp_path_factory, hf_reference, make_llm
 ):
     config, quantize = FORMATS[fmt]()
     quantized, reference = qc.write_quantized(tiny_models("llama"), tmp_path_factory.mktemp(fmt), config, quantize)
@@ -72,7 +72,8 @@ def test_kept_weights_answer_as_transformers_on_the_stored_weights(
     assert_outputs_match(hf_reference(str(reference)), PROMPTS, MAX_TOKENS, outs)
 
 
-def test_activation_order_stays_dequantized(keep_on_cpu, tiny_models, tmp_path_factory, make_llm):
+@pytest.mark.usefixtures("keep_on_cpu")
+def test_activation_order_stays_dequantized(tiny_models, tmp_path_factory, make_llm):
     config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True}
     quantized, _ = qc.write_quantized(
         tiny_models("llama"), tmp_path_factory.mktemp("desc-act"), config, qc.gptq(32, sym=False, desc_act=True)
