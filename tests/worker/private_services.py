@@ -7,6 +7,7 @@ a free port of 127.0.0.1 and is stopped by ``close()``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -113,6 +114,7 @@ class PrivateS3:
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
         port = free_port()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.server.start()
