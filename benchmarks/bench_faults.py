@@ -30,6 +30,7 @@ def _run(model: str, args: argparse.Namespace, *, faults: bool) -> ChaosRun:
             engine_args={"num_kv_blocks": 1024, "max_num_seqs": 64},
             lease_seconds=10.0, heartbeat_seconds=2.0, sweep_interval_seconds=2.0, item_commit_interval_seconds=0.5,
         )  # fmt: skip
+        dep.rng.seed(args.seed)
         try:
             return run_job_under_faults(
                 dep, args.lines, shard_size=args.shard_size, max_tokens=args.max_tokens,
@@ -89,6 +90,7 @@ def main() -> int:
     parser.add_argument("--max-interval", type=float, default=30.0)
     parser.add_argument("--max-outage", type=float, default=60.0, help="the longest object-store outage (s)")
     parser.add_argument("--timeout-minutes", type=float, default=60.0, help="the bound the job must finish in")
+    parser.add_argument("--seed", type=int, default=0, help="the faults' order, timing and targets")
     parser.add_argument("--out", default="faults.json")
     args = parser.parse_args()
     model = str(bench_model())
@@ -106,7 +108,7 @@ def main() -> int:
         "per_kind": _per_kind(chaos),
         "slowdown": round(chaos.seconds / baseline.seconds, 2),
         "exactly_once": chaos.exactly_once and baseline.exactly_once,
-        "note": "tokens_generated: the workers' conveyor_generation_tokens_total at their last scrape (1 s "
+        "note": "tokens_generated: the workers' conveyor_engine_generated_tokens_total at their last scrape (1 s "
         "polls), so tokens computed twice is a lower bound; a shared 2-core machine",
     }
     out = write_results(args.out, result)

@@ -82,31 +82,37 @@ class ChaosDeployment:
     ) -> None:
         self.workdir = workdir
         self.postgres = PrivatePostgres()
-        self.redis = PrivateRedis(workdir / "redis")
-        self.s3 = PrivateS3()
-        upgrade_database(self.postgres.url)
-        stack_values = make_values(
-            workdir / "home", model_path, database_url=self.postgres.url, broker_url=self.redis.url,
-            storage_url=f"s3://{self.s3.bucket}/conveyor", served_model_name=MODEL, models=[MODEL],
-            worker_concurrency=concurrency, metrics_cache_seconds=0.25, worker_live_seconds=5.0,
-            engine_args=engine_args or {"num_kv_blocks": 512, "max_num_seqs": 64},
-            dependency_backoff_max_seconds=1.0, dependency_retry_seconds=5.0, **values,
-        )  # fmt: skip
-        self.stack = Stack(stack_values, MODEL, self.s3.env())
-        self._saved_env = {k: os.environ.get(k) for k in self.s3.env()}
-        os.environ.update(self.s3.env())  # this process's own Client reads S3 through the proxy too
-        self.db = create_db_engine(self.postgres.url)
-        self.api_key = create_key(self.db, "chaos")[1]
-        self.api_port = free_port()
-        self.api: subprocess.Popen | None = None
-        self.start_api()
-        trigger = dataclasses.replace(
-            scaled_object_trigger(TIME_SCALE), max_replicas=max_workers, threshold=float(concurrency),
-            concurrency=concurrency,
-        )  # fmt: skip
-        self.metrics_ports: dict[int, int] = {}  # worker pid -> its metrics port
-        self.autoscaler = Autoscaler(DemandReader(self.api_port), trigger, MODEL, self._spawn)  # type: ignore[arg-type]
-        self.rng = random.Random(0)
+        try:
+            self.redis = PrivateRedis(workdir / "redis")
+            self.s3 = PrivateS3()
+            upgrade_database(self.postgres.url)
+            stack_values = make_values(
+                workdir / "home", model_path, database_url=self.postgres.url, broker_url=self.redis.url,
+                storage_url=f"s3://{self.s3.bucket}/conveyor", served_model_name=MODEL, models=[MODEL],
+                worker_concurrency=concurrency, metrics_cache_seconds=0.25, worker_live_seconds=5.0,
+                engine_args=engine_args or {"num_kv_blocks": 512, "max_num_seqs": 64},
+                dependency_backoff_max_seconds=1.0, dependency_retry_seconds=5.0, **values,
+            )  # fmt: skip
+            self.stack = Stack(stack_values, MODEL, self.s3.env())
+            self._saved_env = {k: os.environ.get(k) for k in self.s3.env()}
+            os.environ.update(self.s3.env())  # this process's own Client reads S3 through the proxy too
+            self.db = create_db_engine(self.postgres.url)
+            self.api_key = create_key(self.db, "chaos")[1]
+            self.api_port = free_port()
+            self.api: subprocess.Popen | None = None
+            self.start_api()
+            trigger = dataclasses.replace(
+                scaled_object_trigger(TIME_SCALE), max_replicas=max_workers, threshold=float(concurrency),
+                concurrency=concurrency,
+            )  # fmt: skip
+            self.metrics_ports: dict[int, int] = {}  # worker pid -> its metrics port
+            self.autoscaler = Autoscaler(DemandReader(self.api_port), trigger, MODEL, self._spawn)  # type: ignore[arg-type]
+            self.rng = random.Random(0)
+        except BaseException:  # a failed start leaves no server running (pg_ctl's outlives us)
+            for name in ("api", "s3", "redis", "postgres"):
+                with contextlib.suppress(Exception):
+                    getattr(self, name).kill() if name == "api" else getattr(self, name).close()
+            raise
 
     # ---- processes ------------------------------------------------------------------------
 
@@ -156,14 +162,14 @@ class ChaosDeployment:
             return None
 
     def generated_tokens(self) -> dict[int, float]:
-        """Each live worker's ``conveyor_generation_tokens_total`` (what its engine produced)."""
+        """Each live worker's ``conveyor_engine_generated_tokens_total`` (what its engine computed)."""
         found: dict[int, float] = {}
         for pod in self.autoscaler.live():
             port = self.metrics_ports.get(pod.proc.pid)
             if port is None:
                 continue
             with contextlib.suppress(Exception):
-                samples = scrape(port, timeout=2).find("conveyor_generation_tokens_total")
+                samples = scrape(port, timeout=2).find("conveyor_engine_generated_tokens_total")
                 found[pod.proc.pid] = sum(s.value for s in samples)
         return found
 
@@ -305,7 +311,7 @@ def run_job_under_faults(
     log: Any = print,
 ) -> ChaosRun:
     """Submit an ``n``-line job and inject faults every ``interval_s`` while it runs: ``schedule``
-    in order, or random kinds from ``FAULTS`` until ``duration_s`` passed or the job is done;
+    in order, or ``FAULTS`` in random order (each once per round) until ``duration_s`` passed or the job is done;
     then wait for it (at most ``timeout_s``) and check every line is answered exactly once."""
     import json
 
@@ -321,6 +327,7 @@ def run_job_under_faults(
     tokens: dict[int, float] = {}
     max_workers = 0
     pending = list(schedule) if schedule is not None else None
+    bag: list[str] = []
     while not dep.stored(job_id):  # faults begin once the job is under way
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"job {job_id} stored nothing in {timeout_s} s")
@@ -345,7 +352,9 @@ def run_job_under_faults(
         now = time.monotonic()
         more = pending if pending is not None else (now - t0 < duration_s)
         if more and now >= next_at:
-            kind = pending.pop(0) if pending is not None else dep.rng.choice(FAULTS)
+            if pending is None and not bag:  # random order, each kind once per round of six
+                bag = dep.rng.sample(FAULTS, len(FAULTS))
+            kind = pending.pop(0) if pending is not None else bag.pop()
             log(f"[{now - t0:7.1f} s] fault {kind}, {dep.stored(job_id)} of {n} stored")
             fault = dep.inject(kind, max_outage_s=max_outage_s)
             stored = None
