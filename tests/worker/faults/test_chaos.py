@@ -13,7 +13,7 @@ import pytest
 
 from tests.worker.chaos import FAULTS, ChaosDeployment, run_job_under_faults
 
-LINES = 1200
+LINES = 2000
 MAX_TOKENS = 16  # with two sequences at a time: slow enough for six faults while it runs
 SHARD_SIZE = 25
 
@@ -36,7 +36,7 @@ def deployment(tmp_path, tiny_models):
 
 def test_one_of_each_fault_loses_and_repeats_no_line(deployment) -> None:
     run = run_job_under_faults(
-        deployment, LINES, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS, schedule=list(FAULTS), interval_s=(1.0, 2.0),
+        deployment, LINES, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS, schedule=list(FAULTS), interval_s=(0.5, 1.0),
         max_outage_s=4.0, timeout_s=240.0,
     )  # fmt: skip
     assert [f.kind for f in run.faults] == list(FAULTS), "the job finished before every fault; make it longer"
