@@ -164,6 +164,7 @@ SLOW: tuple[str, ...] = (
     "tests/worker/execution/test_process_state.py::test_the_metrics_server_answers_health_and_readiness_beside_metrics",
     "tests/worker/execution/test_shards.py::test_a_redelivered_shard_is_skipped",
     "tests/worker/execution/test_shards.py::test_failed_attempts_are_retried_then_the_items_fail_and_the_job_goes_on",
+    "tests/worker/faults/test_chaos.py::test_one_of_each_fault_loses_and_repeats_no_line",
     "tests/worker/faults/test_broker_down.py::test_a_job_whose_enqueue_failed_is_retried_without_a_new_upload",
     "tests/worker/faults/test_dependency_gate.py::test_the_gate_passes_other_errors_through_and_gives_up_after_its_patience",
     "tests/worker/faults/test_dependency_gate.py::test_the_gate_pauses_work_until_the_dependency_is_back_and_says_so_once",
