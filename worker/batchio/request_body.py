@@ -259,7 +259,7 @@ def template_controls(body: Mapping[str, Any], limits: InputLimits) -> tuple[dic
         if len(json.dumps(kwargs)) > limits.max_schema_bytes:
             raise _invalid("chat_template_kwargs", f"at most {limits.max_schema_bytes} bytes as JSON", "...")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise _invalid("reasoning_effort", " or ".join(f'"{e}"' for e in REASONING_EFFORTS), effort)
+        raise _invalid("reasoning_effort", "one of " + ", ".join(f'"{e}"' for e in REASONING_EFFORTS), effort)
     return kwargs or None, effort
 
 

@@ -54,7 +54,7 @@ def test_malformed_lines_become_error_records_and_the_job_completes(embedded_sta
         {"custom_id": "x1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "", "max_tokens": 4}},
         good[2],
         {"custom_id": "req-0", "method": "POST", "url": "/v1/completions", "body": {"prompt": "dup"}},
-        {"custom_id": "x2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}},
+        {"custom_id": "x2", "method": "POST", "url": "/v1/moderations", "body": {"input": "hi"}},
         good[3],
         {
             "custom_id": "long",

@@ -55,13 +55,14 @@ def _settings(tmp_path, db_url: str) -> Settings:
 
 
 def _submit(db: Engine, tmp_path, settings: Settings, model: str, n: int, shard_size: int) -> str:
-    """A job of ``n`` requests in shards of ``shard_size``, enqueued nowhere: no worker runs it."""
+    """A job of ``n`` requests in shards of ``shard_size`` (in input order, so the count is exact),
+    enqueued nowhere: no worker runs it."""
     job = submit_job(
         db,
         LocalStore(tmp_path / "objects"),
         settings,
         io.BytesIO(jsonl(openai_lines(n))),
-        SubmitOptions(model=model, shard_size=shard_size),
+        SubmitOptions(model=model, shard_size=shard_size, shard_order="input"),
         enqueue=lambda job_id, shards: None,
     )
     assert job["status"] == "in_progress" and job["num_shards"] == -(-n // shard_size), job
