@@ -522,10 +522,8 @@ def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> P
     """A multimodal Qwen3.5 checkpoint (``Qwen3_5ForConditionalGeneration``: a tiny random
     vision tower) around the language model of the tiny text checkpoint ``text_model``, whose
     weights and tokenizer it takes as they are."""
-    import shutil
 
     import transformers
-    from safetensors.torch import load_file
 
     path, text_model = Path(path), Path(text_model)
     text_cfg = json.loads((text_model / "config.json").read_text())
@@ -534,8 +532,19 @@ def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> P
     config = transformers.Qwen3_5Config(
         text_config=text_cfg, vision_config=vision, tie_word_embeddings=text_cfg["tie_word_embeddings"]
     )
+    _save_around_text_model(transformers.Qwen3_5ForConditionalGeneration, config, path, text_model)
+    return path
+
+
+def _save_around_text_model(model_cls: type, config: Any, path: Path, text_model: Path) -> None:
+    """A multimodal checkpoint at ``path``: ``model_cls(config)`` with random towers around the
+    text checkpoint ``text_model``'s weights (under ``model.language_model.``) and its tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file
+
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    model = model_cls(config).float()
     _randomize(model, 0.5)
     text = load_file(str(text_model / "model.safetensors"))
     prefix = "model.language_model."
@@ -546,7 +555,6 @@ def build_tiny_multimodal_qwen3_5(path: str | Path, text_model: str | Path) -> P
     for name in text_model.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copy(name, path / name.name)
-    return path
 
 
 def build_tiny_multimodal_gemma(path: str | Path, text_model: str | Path, *, released: bool = False) -> Path:
@@ -556,10 +564,8 @@ def build_tiny_multimodal_gemma(path: str | Path, text_model: str | Path, *, rel
     whose weights and tokenizer it takes as they are. transformers saves Gemma 3 under the
     released files' names (``language_model.model.``, ``vision_tower.``); ``released``: its
     ``text_config`` also as released, holding only what differs from the defaults."""
-    import shutil
 
     import transformers
-    from safetensors.torch import load_file
 
     path, text_model = Path(path), Path(text_model)
     text_cfg = json.loads((text_model / "config.json").read_text())
@@ -578,18 +584,7 @@ def build_tiny_multimodal_gemma(path: str | Path, text_model: str | Path, *, rel
             text_config=text_cfg, vision_config=vision, audio_config=audio, tie_word_embeddings=tied
         )
         model_cls = transformers.Gemma4ForConditionalGeneration
-    torch.manual_seed(0)
-    model = model_cls(config).float()
-    _randomize(model, 0.5)
-    text = load_file(str(text_model / "model.safetensors"))
-    prefix = "model.language_model."
-    renamed = {(k if k == "lm_head.weight" else prefix + k[len("model.") :]): v for k, v in text.items()}
-    missing = model.load_state_dict(renamed, strict=False)
-    assert not missing.unexpected_keys, missing.unexpected_keys
-    model.save_pretrained(str(path), safe_serialization=True)
-    for name in text_model.iterdir():
-        if name.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-            shutil.copy(name, path / name.name)
+    _save_around_text_model(model_cls, config, path, text_model)
     if released:
         cfg = json.loads((path / "config.json").read_text())
         defaults = transformers.Gemma3TextConfig().to_dict()
