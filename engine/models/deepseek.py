@@ -20,8 +20,6 @@ added ungated.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,44 +27,10 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import parallel_state
 from engine.distributed.sharding import Shard, WeightSlot, head_shard
+from engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
 from engine.models.kv_layout import LayerCache
 from engine.models.llama import MLP, DecoderLayer, FeedForward, LlamaForCausalLM, RMSNorm, RotaryEmbedding, _param
-from engine.models.model_config import MLASpec, ModelSpec, MoESpec
-from engine.models.moe import SparseMoE, grouped_sigmoid_route
-
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # each routed expert's tensors
-
-
-class DeepseekMoE(SparseMoE):
-    """The routed experts (``SparseMoE``'s stacked weights and expert paths) with DeepSeek's
-    float32 router and correction bias, plus the ungated shared experts."""
-
-    def __init__(self, spec: ModelSpec, moe: MoESpec, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(spec, dataclasses.replace(moe, shared_intermediate_size=0), EXPERT_NAMES, dtype, device)
-        self.moe = moe
-        # transformers keeps the router in float32 whatever the model's dtype.
-        self.gate_weight = _param(moe.num_experts, spec.hidden_size, dtype=torch.float32, device=device)
-        self.correction_bias = _param(moe.num_experts, dtype=torch.float32, device=device)
-        self.shared_experts = (
-            MLP(spec, dtype, device, intermediate_size=moe.shared_intermediate_size)
-            if moe.shared_intermediate_size
-            else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe = self.moe
-        weights, ids = grouped_sigmoid_route(F.linear(x.float(), self.gate_weight), self.correction_bias, moe)
-        w13 = self.w13.view(moe.num_experts, 2 * self.intermediate_size, self.hidden_size)
-        w2 = self.w2.view(moe.num_experts, self.hidden_size, self.intermediate_size)
-        out = self.tp.all_reduce(self.experts(x, w13, w2, weights, ids))  # (the shared experts reduce their own)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
-
-    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
-        slots = super().weight_slots(prefix)
-        slots[f"{prefix}gate.e_score_correction_bias"] = (self.correction_bias, 0, self.moe.num_experts)
-        if self.shared_experts is not None:
-            slots.update(self.shared_experts.weight_slots(f"{prefix}shared_experts."))
-        return slots
+from engine.models.model_config import MLASpec, ModelSpec
 
 
 class LatentAttention(nn.Module):
@@ -213,7 +177,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         spec, moe = self.spec, self.spec.moe
         mlp: FeedForward
         if moe is not None and index in moe.sparse_layers:
-            mlp = DeepseekMoE(spec, moe, dtype, device)
+            mlp = GroupedSigmoidMoE(spec, moe, dtype, device)
         else:
             mlp = MLP(spec, dtype, device)
         return DeepseekDecoderLayer(spec, dtype, device, mlp)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.glm4_moe import Glm4MoE
+from engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
 from engine.models.model_config import ModelSpec
 from engine.models.moe import SparseMoE, grouped_sigmoid_route
 from kernels.interpreter import kernel_device
@@ -91,7 +91,7 @@ def test_multi_token_prediction_layers_are_skipped(tiny_models, hf_reference, ma
     weights[f"model.layers.{layers}.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     llm = make_llm(str(copy))
-    assert sum(isinstance(m, Glm4MoE) for m in llm.engine.runner.model.modules()) == layers - 1  # layer 0 dense
+    assert sum(isinstance(m, GroupedSigmoidMoE) for m in llm.engine.runner.model.modules()) == layers - 1  # layer 0 dense
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert_outputs_match(hf_reference(str(path)), PROMPTS, MAX_TOKENS, outs)
     weights["model.layers.0.mlp.stray.weight"] = torch.zeros(4, 4)
@@ -116,7 +116,7 @@ def test_fused_kernel_path_matches_transformers(tiny_models, hf_reference, make_
     monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
     path = tiny_models("glm4_moe")
     llm = make_llm(path, device=kernel_device(), enforce_eager=True)
-    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, Glm4MoE)]
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, GroupedSigmoidMoE)]
     assert blocks and all(b.fused for b in blocks)
     outs = llm.generate(PROMPTS[:2], greedy([9, 5]))
     assert_outputs_match(hf_reference(path), PROMPTS[:2], [9, 5], outs)
