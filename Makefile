@@ -60,9 +60,10 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs build --strict --quiet
 
-# Everything, as CI runs it: lint, the docs, every test.
+# Everything, as CI runs it: lint, the docs, every test, then the slowest tests named (the suite's
+# time on two cores is watched: the next one to trim is in CI's log).
 test: lint docs
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 # The inner loop: only the tests that need no service, no subprocess, no GPU and little time.
 test-fast: setup
