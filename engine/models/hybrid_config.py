@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from engine.models.multimodal import GEMMA_WRAPPERS, gemma_language_model_config
 
-# Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint.
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint, Qwen3-Next.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Qwen3.5 and Qwen3.5-MoE text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``):
+"""Qwen3.5 and Qwen3.5-MoE text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and
+Qwen3-Next (``Qwen3NextForCausalLM``: the same layers, its linear projections fused per key head):
 hybrid models whose layers are gated DeltaNet linear attention (``GatedDeltaNet``, three of four
 in released checkpoints) or gated full attention (``GatedAttention``), each following
 transformers' modules:
@@ -167,22 +168,35 @@ class GatedDeltaNet(nn.Module):
         self.lin = lin = lin.rank_share(self.tp.world_size)
         self.eps = spec.rms_norm_eps
         hidden, heads = spec.hidden_size, lin.num_v_heads
-        self.in_proj_qkv = _param(lin.conv_dim, hidden, dtype=dtype, device=device)
-        self.in_proj_z = _param(lin.value_dim, hidden, dtype=dtype, device=device)
-        self.in_proj_b = _param(heads, hidden, dtype=dtype, device=device)
-        self.in_proj_a = _param(heads, hidden, dtype=dtype, device=device)
+        self.make_projections(hidden, dtype, device)
         self.conv_weight = _param(lin.conv_dim, 1, lin.conv_kernel, dtype=dtype, device=device)
         self.dt_bias = _param(heads, dtype=dtype, device=device)
         self.A_log = _param(heads, dtype=dtype, device=device)
         self.norm_weight = _param(lin.v_head_dim, dtype=dtype, device=device)
         self.out_proj = _param(hidden, lin.value_dim, dtype=dtype, device=device)
 
+    def make_projections(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        lin = self.lin
+        self.in_proj_qkv = _param(lin.conv_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_z = _param(lin.value_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_b = _param(lin.num_v_heads, hidden, dtype=dtype, device=device)
+        self.in_proj_a = _param(lin.num_v_heads, hidden, dtype=dtype, device=device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's input (q, k, v channels), ``z`` (``[tokens, value_dim]``), and ``b``
+        and ``a`` (``[tokens, v heads]``)."""
+        return (
+            F.linear(x, self.in_proj_qkv),
+            F.linear(x, self.in_proj_z),
+            F.linear(x, self.in_proj_b),
+            F.linear(x, self.in_proj_a),
+        )
+
     def forward(self, x: torch.Tensor, step: LinearStep, conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
         lin = self.lin
-        mixed = F.linear(x, self.in_proj_qkv)
-        z = F.linear(x, self.in_proj_z)
-        beta = torch.sigmoid(F.linear(x, self.in_proj_b))
-        g = -self.A_log.float().exp() * F.softplus(F.linear(x, self.in_proj_a).float() + self.dt_bias)
+        mixed, z, beta_logits, decay_in = self.project(x)
+        beta = torch.sigmoid(beta_logits)
+        g = -self.A_log.float().exp() * F.softplus(decay_in.float() + self.dt_bias)
         weight = self.conv_weight[:, 0]
         out = torch.empty(x.shape[0], lin.num_v_heads, lin.v_head_dim, dtype=x.dtype, device=x.device)
         nd = step.num_decodes
@@ -223,19 +237,26 @@ class GatedDeltaNet(nn.Module):
                 (2 * full.key_dim + v_start * dv, lin.value_dim),  # v
             ),
         )
-        values, heads = Shard.rows(v_start * dv, lin.value_dim), Shard.rows(v_start, lin.num_v_heads)
+        heads = Shard.rows(v_start, lin.num_v_heads)
         slots: dict[str, WeightSlot] = {
-            "in_proj_qkv.weight": (self.in_proj_qkv, 0, lin.conv_dim, channels),
+            **self.projection_slots(channels, k_start, v_start),
             "conv1d.weight": (self.conv_weight, 0, lin.conv_dim, channels),
-            "in_proj_z.weight": (self.in_proj_z, 0, lin.value_dim, values),
-            "in_proj_b.weight": (self.in_proj_b, 0, lin.num_v_heads, heads),
-            "in_proj_a.weight": (self.in_proj_a, 0, lin.num_v_heads, heads),
             "dt_bias": (self.dt_bias, 0, lin.num_v_heads, heads),
             "A_log": (self.A_log, 0, lin.num_v_heads, heads),
             "norm.weight": (self.norm_weight, 0, dv),
             "out_proj.weight": (self.out_proj, 0, self.out_proj.shape[0], Shard.cols(v_start * dv, lin.value_dim)),
         }
         return {prefix + name: slot for name, slot in slots.items()}
+
+    def projection_slots(self, channels: Shard, k_start: int, v_start: int) -> dict[str, WeightSlot]:
+        lin = self.lin
+        values, heads = Shard.rows(v_start * lin.v_head_dim, lin.value_dim), Shard.rows(v_start, lin.num_v_heads)
+        return {
+            "in_proj_qkv.weight": (self.in_proj_qkv, 0, lin.conv_dim, channels),
+            "in_proj_z.weight": (self.in_proj_z, 0, lin.value_dim, values),
+            "in_proj_b.weight": (self.in_proj_b, 0, lin.num_v_heads, heads),
+            "in_proj_a.weight": (self.in_proj_a, 0, lin.num_v_heads, heads),
+        }
 
     def use_kernel_ops(self, ops: ModuleType) -> None:
         """Run the Triton gated delta kernels where the model runs the Triton ops
@@ -258,6 +279,35 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.view(-1, lin.num_v_heads, lin.v_head_dim)
 
 
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear-attention layer: ``GatedDeltaNet`` with its projections fused as
+    transformers' ``Qwen3NextGatedDeltaNet`` has them, grouped by key head: ``in_proj_qkvz`` holds,
+    per key head, its q, its k, then the v and z of its ``num_v_heads // num_k_heads`` value
+    heads; ``in_proj_ba`` the b then the a of those value heads. A rank's key heads are one
+    range of rows of each."""
+
+    def make_projections(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        lin = self.lin
+        self.in_proj_qkvz = _param(lin.conv_dim + lin.value_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_ba = _param(2 * lin.num_v_heads, hidden, dtype=dtype, device=device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin, n = self.lin, x.shape[0]
+        dk, vz = lin.k_head_dim, lin.value_dim // lin.num_k_heads  # (a key head's value heads' width)
+        q, k, v, z = F.linear(x, self.in_proj_qkvz).view(n, lin.num_k_heads, -1).split([dk, dk, vz, vz], dim=-1)
+        b, a = F.linear(x, self.in_proj_ba).view(n, lin.num_k_heads, -1).chunk(2, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    def projection_slots(self, channels: Shard, k_start: int, v_start: int) -> dict[str, WeightSlot]:
+        lin = self.lin
+        qkvz, ba = lin.conv_dim + lin.value_dim, 2 * lin.num_v_heads  # (this rank's rows)
+        return {
+            "in_proj_qkvz.weight": (self.in_proj_qkvz, 0, qkvz, Shard.rows(k_start * qkvz // lin.num_k_heads, qkvz)),
+            "in_proj_ba.weight": (self.in_proj_ba, 0, ba, Shard.rows(k_start * ba // lin.num_k_heads, ba)),
+        }
+
+
 class HybridLayer(DecoderLayer):
     """A mixer (``self_attn``: ``GatedAttention`` or ``GatedDeltaNet``) then the feed-forward
     block, each behind a zero-centred norm and a residual add."""
@@ -275,6 +325,8 @@ class HybridLayer(DecoderLayer):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    # Its linear-attention layers (Qwen3-Next's fuse their projections otherwise).
+    linear_mixer: type[GatedDeltaNet] = GatedDeltaNet
     # A decode step reads its state slots and fresh flags on the device (``linear_step``).
     supports_cuda_graphs = True
 
@@ -293,13 +345,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
         spec = self.spec
         mixer: nn.Module = (
-            GatedDeltaNet(spec, self.linear_spec, dtype, device)
+            self.linear_mixer(spec, self.linear_spec, dtype, device)
             if self.lin.linear_layers[index]
             else GatedAttention(spec, dtype, device)
         )
-        return HybridLayer(spec, mixer, self.make_mlp(dtype, device), dtype, device)
+        return HybridLayer(spec, mixer, self.make_mlp(index, dtype, device), dtype, device)
 
-    def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
         return MLP(self.spec, dtype, device)
 
     # ---- the per-request state (``engine.state_cache``) -------------------------------
@@ -373,8 +425,22 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         # As for the other MoE models: the token-sorted path reads expert counts on the host.
         self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, SparseMoE))
 
-    def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
         moe = self.spec.moe
         if moe is None:
             raise ValueError(f"{self.spec.architecture} needs the config's mixture-of-experts fields")
         return SparseMoE(self.spec, moe, ("gate_proj", "up_proj", "down_proj"), dtype, device)
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next (``Qwen3NextForCausalLM``), the hybrid before Qwen3.5: the same layers, its
+    linear attention's projections fused (``FusedGatedDeltaNet``), and, as Qwen2-MoE, dense
+    MLP layers where the config says (``mlp_only_layers``, ``decoder_sparse_step``)."""
+
+    linear_mixer = FusedGatedDeltaNet
+
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
+        moe = self.spec.moe
+        if moe is None or index not in moe.sparse_layers:
+            return MLP(self.spec, dtype, device)
+        return super().make_mlp(index, dtype, device)

@@ -110,13 +110,13 @@ def test_two_ranks_split_gemma4_per_layer_kind(tiny_models, hf_reference, make_l
     assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_two_ranks_split_qwen3_5s_linear_attention_heads_and_state(tiny_models, hf_reference, make_llm, family):
-    """Qwen3.5 (dense and MoE): each rank keeps one of the two key heads with its two value
-    heads (their rows of the projections, their conv channels, decay and norm), and state slots
-    for those heads only; the gated full attention's heads and the experts split as the other
-    models'. Prefill chunks run mixed with decodes; ``make_llm`` checks that no KV block and no
-    state slot is left held."""
+    """Qwen3.5 (dense and MoE) and Qwen3-Next: each rank keeps one of the two key heads with its
+    two value heads (their rows of the projections, fused per key head in Qwen3-Next's, their
+    conv channels, decay and norm), and state slots for those heads only; the gated full
+    attention's heads and the experts split as the other models'. Prefill chunks run mixed
+    with decodes; ``make_llm`` checks that no KV block and no state slot is left held."""
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
     try:
