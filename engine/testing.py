@@ -19,7 +19,7 @@ import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 FAMILIES += ("gemma2", "gemma3", "glm4_moe", "gemma4", "gpt_oss", "smollm3", "olmo3", "deepseek_v3")
-FAMILIES += ("qwen3_5", "qwen3_5_moe")
+FAMILIES += ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # The hybrid families' defaults: linear-attention layers with grouped value heads (4 value heads
 # per 2 query/key heads), a conv of 4 taps, partial rotary on the full-attention layers, which
 # are every fourth layer (``layer_types``), as in released checkpoints.
@@ -32,7 +32,7 @@ HYBRID_DEFAULTS: dict[str, dict] = {
         "linear_conv_kernel_dim": 4,
     },
 }
-HYBRID_DEFAULTS["qwen3_5_moe"] = HYBRID_DEFAULTS["qwen3_5"]
+HYBRID_DEFAULTS["qwen3_5_moe"] = HYBRID_DEFAULTS["qwen3_next"] = HYBRID_DEFAULTS["qwen3_5"]
 # Gemma's defaults (``build_tiny_model``'s ``sliding_window`` overrides the window): a window
 # shorter than most test prompts, sliding and full layers alternating, a query scale and
 # (Gemma 2) soft caps small enough to change the output, Gemma 3's two RoPE bases far apart.
@@ -133,6 +133,14 @@ MOE_DEFAULTS: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 24,
         "shared_expert_intermediate_size": 40,
+    },
+    # Qwen3-Next: Qwen3.5-MoE's block, with a dense MLP layer among the sparse ones.
+    "qwen3_next": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+        "mlp_only_layers": [1],
     },
 }
 # DeepSeek-V3's multi-head latent attention, small: every rank and head width distinct, so a
@@ -304,6 +312,7 @@ def build_tiny_model(
         "deepseek_v3": transformers.DeepseekV3Config,
         "qwen3_5": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
     }[family]
     tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
     kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
@@ -322,7 +331,17 @@ def build_tiny_model(
         kwargs["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
         if partial_rotary_factor is None and not rope_scaling:  # (the config's default is 0.25)
             kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    hd_families = ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4", "gpt_oss", "qwen3_5", "qwen3_5_moe")
+    hd_families = (
+        "qwen3",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "gemma4",
+        "gpt_oss",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+    )
     if head_dim is not None or family in hd_families:
         kwargs["head_dim"] = head_dim or hidden_size // num_heads
     if family in ("mistral", "phi3", "mixtral"):
@@ -344,7 +363,7 @@ def build_tiny_model(
             rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
         _set_rope(config, rope_scaling)
     eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
         eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
 

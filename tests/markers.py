@@ -99,6 +99,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_multimodal_gemma.py::test_transformers_multimodal_model_answers_the_same_on_text",
     "tests/engine/test_multimodal_gemma.py::test_two_ranks_split_a_multimodal_checkpoints_language_model",
     "tests/engine/test_tensor_parallel.py::test_two_ranks_split_gemma4_per_layer_kind",
+    "tests/engine/test_tensor_parallel.py::test_two_ranks_split_qwen3_5s_linear_attention_heads_and_state",
     "tests/engine/test_fp8_kv_cache.py::test_the_triton_backend_reads_the_fp8_cache_within_the_bound",
     "tests/kernels/test_fp8_kv_cache.py::test_kv_write_stores_torchs_e4m3_bytes",
     "tests/kernels/test_fp8_kv_cache.py::test_paged_attention_reads_an_fp8_cache",

@@ -47,6 +47,14 @@ class ParallelState:
         out = self.all_reduce(F.linear(x, weight))
         return out if bias is None else out + bias
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (``x`` is contiguous and of one shape on all)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``x`` concatenated along the last dim, on rank 0 (None elsewhere)."""
         if self.world_size == 1:

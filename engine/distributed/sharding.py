@@ -140,6 +140,8 @@ def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
         problems.append(f"shared_expert_intermediate_size {moe.shared_intermediate_size}")
     if spec.gemma4 is not None:  # (each layer kind's KV heads, the MoE block's experts)
         problems += spec.gemma4.tensor_parallel_problems(world_size, local_kv_heads(kv, world_size) * spec.head_dim)
+    if spec.linear_attention is not None:  # (a hybrid model's linear-attention heads)
+        problems += spec.linear_attention.tensor_parallel_problems(world_size)
     if problems:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's {', '.join(problems)}; "

@@ -3,12 +3,13 @@ Qwen3.5-MoE) and their shapes, and the MoE block of Qwen3.5-MoE."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.models.multimodal import GEMMA_WRAPPERS, gemma_language_model_config
 
-# Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint.
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint, Qwen3-Next.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ class LinearAttentionSpec:
                 f"linear_num_key_heads {spec.num_k_heads}"
             )
         return spec
+
+    def tensor_parallel_problems(self, world_size: int) -> list[str]:
+        """What does not split over ``world_size`` ranks (``check_tensor_parallel``): a rank keeps
+        whole key heads and the value heads grouped with them."""
+        return [f"linear_num_key_heads {self.num_k_heads}"] if self.num_k_heads % world_size else []
+
+    def rank_share(self, world_size: int) -> LinearAttentionSpec:
+        """The shapes one of ``world_size`` tensor-parallel ranks holds: its share of the key
+        heads and of the value heads (each key head with its ``num_v_heads // num_k_heads``)."""
+        if world_size == 1:
+            return self
+        return dataclasses.replace(
+            self, num_k_heads=self.num_k_heads // world_size, num_v_heads=self.num_v_heads // world_size
+        )
 
     @property
     def key_dim(self) -> int:

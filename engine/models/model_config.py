@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "BertModel": "bert",
     "XLMRobertaModel": "xlm-roberta",
 }
@@ -298,7 +299,7 @@ class MoESpec:
                 sparse_layers=tuple(range(layers)),
                 shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
             )
-        if model_type not in ("qwen2_moe", "qwen3_moe"):
+        if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             return None
         # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
         num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -309,10 +310,10 @@ class MoESpec:
             num_experts=num_experts,
             top_k=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg["moe_intermediate_size"]),
-            renormalize=bool(cfg.get("norm_topk_prob", False)),
+            renormalize=bool(cfg.get("norm_topk_prob", model_type == "qwen3_next")),  # (its default: true)
             sparse_layers=sparse,
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-            if model_type == "qwen2_moe"
+            if model_type in ("qwen2_moe", "qwen3_next")
             else 0,
         )
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 and Qwen3.5-MoE text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``):
+"""Qwen3.5 and Qwen3.5-MoE text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and
+Qwen3-Next (``Qwen3NextForCausalLM``: the same layers, its linear projections fused per key head):
 hybrid models whose layers are gated DeltaNet linear attention (``GatedDeltaNet``, three of four
 in released checkpoints) or gated full attention (``GatedAttention``), each following
 transformers' modules:
@@ -23,6 +24,10 @@ one launch for all the step's prefills, one for its decodes). The step's state s
 from the block tables on the device, so decode needs no host data beyond the attention
 backend's and is captured in CUDA graphs; the per-request conv loop of prefills reads them once
 per step.
+
+Under tensor parallelism a linear layer holds its rank's key heads and the value heads grouped
+with them (``LinearAttentionSpec.rank_share``), and its state slots those heads' state; the
+full attention splits its heads and the feed-forward block its intermediate dim, as Llama's.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import parallel_state
-from engine.distributed.sharding import WeightSlot
+from engine.distributed.parallel_state import ParallelState
+from engine.distributed.sharding import Shard, WeightSlot
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.hybrid_config import LinearAttentionSpec
 from engine.models.llama import MLP, Attention, DecoderLayer, FeedForward, LlamaForCausalLM, _param
@@ -62,14 +68,18 @@ class LinearStep:
     prefill_starts: torch.Tensor | None
 
 
-def linear_step(backend: AttentionBackend, state: LinearStateCache) -> LinearStep:
+def linear_step(
+    backend: AttentionBackend, state: LinearStateCache, tp: ParallelState = parallel_state.SINGLE
+) -> LinearStep:
     """The step's slots and fresh flags, computed on the device from the backend's metadata (a
     captured decode graph replays them): a row with no context (a graph's padding) gets the
-    padding slot. Prefills' slots and flags are read on the host too, for the conv's loop."""
+    padding slot. Prefills' slots and flags are read on the host too, for the conv's loop.
+    Under tensor parallelism rank 0's memory manager binds the slots (``HybridMemory``): the
+    other ranks take the step's slots from it, one broadcast a step."""
     meta = backend.meta  # (set by every backend's ``prepare``)
     seq_lens = meta.seq_lens.long()
     first_blocks = state.slot_of_block[meta.block_tables[:, 0].long()]
-    slots = torch.where(seq_lens > 0, first_blocks, state.padding_slot)
+    slots = tp.broadcast(torch.where(seq_lens > 0, first_blocks, state.padding_slot))
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     fresh = seq_lens - query_lens <= 0  # its first computed token is in this step (padding: too)
     nd = meta.num_decodes
@@ -120,11 +130,32 @@ class GatedAttention(Attention):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         out = backend.forward(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], self.scale)
-        return F.linear(out.reshape(-1, self.q_size) * torch.sigmoid(gate), self.o_weight)
+        return self.tp.row_parallel_linear(out.reshape(-1, self.q_size) * torch.sigmoid(gate), self.o_weight, None)
+
+    def weight_slots(self, prefix: str, head_dim: int) -> dict[str, WeightSlot]:
+        """``q_proj``/``k_proj``/``v_proj``/``o_proj`` and the q/k norms under ``prefix``; under
+        tensor parallelism this rank's heads (``q_proj`` holds each head's query and gate side by
+        side, so a head's rows are ``2 * head_dim``)."""
+        heads, d, q2, kv = self.heads, head_dim, 2 * self.q_size, self.kv_size
+        return {
+            prefix + "q_proj.weight": (self.qkv_weight, 0, q2, Shard.rows(heads.head_start * 2 * d, q2)),
+            prefix + "k_proj.weight": (self.qkv_weight, q2, kv, Shard.rows(heads.kv_head_start * d, kv)),
+            prefix + "v_proj.weight": (self.qkv_weight, q2 + kv, kv, Shard.rows(heads.kv_head_start * d, kv)),
+            prefix + "o_proj.weight": (
+                self.o_weight,
+                0,
+                self.o_weight.shape[0],
+                Shard.cols(heads.head_start * d, self.q_size),
+            ),
+            prefix + "q_norm.weight": (self.gated_q_norm.weight, 0, d),
+            prefix + "k_norm.weight": (self.gated_k_norm.weight, 0, d),
+        }
 
 
 class GatedDeltaNet(nn.Module):
-    """A linear-attention layer; ``layer_state`` is its (conv, recurrent) slot tensors."""
+    """A linear-attention layer; ``layer_state`` is its (conv, recurrent) slot tensors. Under
+    tensor parallelism it holds this rank's key heads and the value heads grouped with them
+    (``LinearAttentionSpec.rank_share``), and ``out_proj``'s partial outputs are summed."""
 
     # The decodes' conv and the gated delta rule over the step's slots: ``kernels.gated_delta``
     # (the torch references) or ``kernels.gated_delta_triton`` (``use_kernel_ops``).
@@ -132,24 +163,40 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, spec: ModelSpec, lin: LinearAttentionSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.lin, self.eps = lin, spec.rms_norm_eps
+        self.tp = parallel_state.current()
+        self.full = lin  # the model's shapes (the checkpoint's); ``lin``: this rank's
+        self.lin = lin = lin.rank_share(self.tp.world_size)
+        self.eps = spec.rms_norm_eps
         hidden, heads = spec.hidden_size, lin.num_v_heads
-        self.in_proj_qkv = _param(lin.conv_dim, hidden, dtype=dtype, device=device)
-        self.in_proj_z = _param(lin.value_dim, hidden, dtype=dtype, device=device)
-        self.in_proj_b = _param(heads, hidden, dtype=dtype, device=device)
-        self.in_proj_a = _param(heads, hidden, dtype=dtype, device=device)
+        self.make_projections(hidden, dtype, device)
         self.conv_weight = _param(lin.conv_dim, 1, lin.conv_kernel, dtype=dtype, device=device)
         self.dt_bias = _param(heads, dtype=dtype, device=device)
         self.A_log = _param(heads, dtype=dtype, device=device)
         self.norm_weight = _param(lin.v_head_dim, dtype=dtype, device=device)
         self.out_proj = _param(hidden, lin.value_dim, dtype=dtype, device=device)
 
+    def make_projections(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        lin = self.lin
+        self.in_proj_qkv = _param(lin.conv_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_z = _param(lin.value_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_b = _param(lin.num_v_heads, hidden, dtype=dtype, device=device)
+        self.in_proj_a = _param(lin.num_v_heads, hidden, dtype=dtype, device=device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's input (q, k, v channels), ``z`` (``[tokens, value_dim]``), and ``b``
+        and ``a`` (``[tokens, v heads]``)."""
+        return (
+            F.linear(x, self.in_proj_qkv),
+            F.linear(x, self.in_proj_z),
+            F.linear(x, self.in_proj_b),
+            F.linear(x, self.in_proj_a),
+        )
+
     def forward(self, x: torch.Tensor, step: LinearStep, conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
         lin = self.lin
-        mixed = F.linear(x, self.in_proj_qkv)
-        z = F.linear(x, self.in_proj_z)
-        beta = torch.sigmoid(F.linear(x, self.in_proj_b))
-        g = -self.A_log.float().exp() * F.softplus(F.linear(x, self.in_proj_a).float() + self.dt_bias)
+        mixed, z, beta_logits, decay_in = self.project(x)
+        beta = torch.sigmoid(beta_logits)
+        g = -self.A_log.float().exp() * F.softplus(decay_in.float() + self.dt_bias)
         weight = self.conv_weight[:, 0]
         out = torch.empty(x.shape[0], lin.num_v_heads, lin.v_head_dim, dtype=x.dtype, device=x.device)
         nd = step.num_decodes
@@ -171,7 +218,45 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g[nd:], beta[nd:], recurrent, step.prefill_starts, step.slots[nd:], step.fresh[nd:], out[nd:]
             )
         normed = gated_rms_norm(out, z.view_as(out), self.norm_weight, self.eps)
-        return F.linear(normed.reshape(x.shape[0], lin.value_dim), self.out_proj)
+        return self.tp.row_parallel_linear(normed.reshape(x.shape[0], lin.value_dim), self.out_proj, None)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        """Its checkpoint tensors under ``prefix``, each with the ``Shard`` of this rank's heads:
+        the q, k and v channels of ``in_proj_qkv`` and of the conv (one range from each part),
+        the value heads' rows of ``in_proj_z``/``in_proj_b``/``in_proj_a``, ``dt_bias`` and
+        ``A_log``, and ``out_proj``'s matching columns. The gated norm's weight, one head's, is
+        whole on every rank."""
+        full, lin, rank = self.full, self.lin, self.tp.rank
+        k_start, v_start = rank * lin.num_k_heads, rank * lin.num_v_heads
+        dk, dv = lin.k_head_dim, lin.v_head_dim
+        channels = Shard(
+            0,
+            (
+                (k_start * dk, lin.key_dim),  # q
+                (full.key_dim + k_start * dk, lin.key_dim),  # k
+                (2 * full.key_dim + v_start * dv, lin.value_dim),  # v
+            ),
+        )
+        heads = Shard.rows(v_start, lin.num_v_heads)
+        slots: dict[str, WeightSlot] = {
+            **self.projection_slots(channels, k_start, v_start),
+            "conv1d.weight": (self.conv_weight, 0, lin.conv_dim, channels),
+            "dt_bias": (self.dt_bias, 0, lin.num_v_heads, heads),
+            "A_log": (self.A_log, 0, lin.num_v_heads, heads),
+            "norm.weight": (self.norm_weight, 0, dv),
+            "out_proj.weight": (self.out_proj, 0, self.out_proj.shape[0], Shard.cols(v_start * dv, lin.value_dim)),
+        }
+        return {prefix + name: slot for name, slot in slots.items()}
+
+    def projection_slots(self, channels: Shard, k_start: int, v_start: int) -> dict[str, WeightSlot]:
+        lin = self.lin
+        values, heads = Shard.rows(v_start * lin.v_head_dim, lin.value_dim), Shard.rows(v_start, lin.num_v_heads)
+        return {
+            "in_proj_qkv.weight": (self.in_proj_qkv, 0, lin.conv_dim, channels),
+            "in_proj_z.weight": (self.in_proj_z, 0, lin.value_dim, values),
+            "in_proj_b.weight": (self.in_proj_b, 0, lin.num_v_heads, heads),
+            "in_proj_a.weight": (self.in_proj_a, 0, lin.num_v_heads, heads),
+        }
 
     def use_kernel_ops(self, ops: ModuleType) -> None:
         """Run the Triton gated delta kernels where the model runs the Triton ops
@@ -194,6 +279,35 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.view(-1, lin.num_v_heads, lin.v_head_dim)
 
 
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear-attention layer: ``GatedDeltaNet`` with its projections fused as
+    transformers' ``Qwen3NextGatedDeltaNet`` has them, grouped by key head: ``in_proj_qkvz`` holds,
+    per key head, its q, its k, then the v and z of its ``num_v_heads // num_k_heads`` value
+    heads; ``in_proj_ba`` the b then the a of those value heads. A rank's key heads are one
+    range of rows of each."""
+
+    def make_projections(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        lin = self.lin
+        self.in_proj_qkvz = _param(lin.conv_dim + lin.value_dim, hidden, dtype=dtype, device=device)
+        self.in_proj_ba = _param(2 * lin.num_v_heads, hidden, dtype=dtype, device=device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin, n = self.lin, x.shape[0]
+        dk, vz = lin.k_head_dim, lin.value_dim // lin.num_k_heads  # (a key head's value heads' width)
+        q, k, v, z = F.linear(x, self.in_proj_qkvz).view(n, lin.num_k_heads, -1).split([dk, dk, vz, vz], dim=-1)
+        b, a = F.linear(x, self.in_proj_ba).view(n, lin.num_k_heads, -1).chunk(2, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    def projection_slots(self, channels: Shard, k_start: int, v_start: int) -> dict[str, WeightSlot]:
+        lin = self.lin
+        qkvz, ba = lin.conv_dim + lin.value_dim, 2 * lin.num_v_heads  # (this rank's rows)
+        return {
+            "in_proj_qkvz.weight": (self.in_proj_qkvz, 0, qkvz, Shard.rows(k_start * qkvz // lin.num_k_heads, qkvz)),
+            "in_proj_ba.weight": (self.in_proj_ba, 0, ba, Shard.rows(k_start * ba // lin.num_k_heads, ba)),
+        }
+
+
 class HybridLayer(DecoderLayer):
     """A mixer (``self_attn``: ``GatedAttention`` or ``GatedDeltaNet``) then the feed-forward
     block, each behind a zero-centred norm and a residual add."""
@@ -211,18 +325,17 @@ class HybridLayer(DecoderLayer):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    # Its linear-attention layers (Qwen3-Next's fuse their projections otherwise).
+    linear_mixer: type[GatedDeltaNet] = GatedDeltaNet
     # A decode step reads its state slots and fresh flags on the device (``linear_step``).
     supports_cuda_graphs = True
 
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         if spec.linear_attention is None:
             raise ValueError(f"{spec.architecture} needs the config's linear-attention fields")
-        if parallel_state.current().enabled:
-            raise ValueError(
-                f"{spec.architecture} is not served under tensor parallelism: its linear-attention layers' "
-                "state and heads are not split over ranks; run it with tensor_parallel_size=1"
-            )
-        self.lin = spec.linear_attention
+        self.linear_spec = spec.linear_attention  # the checkpoint's shapes
+        # This rank's linear-attention heads (all of them at world size 1): its state slots hold those only.
+        self.lin = spec.linear_attention.rank_share(parallel_state.current().world_size)
         super().__init__(spec, max_len, dtype, device)
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         # Which layers read the paged KV cache (the runner allocates KV for these only).
@@ -232,13 +345,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
         spec = self.spec
         mixer: nn.Module = (
-            GatedDeltaNet(spec, self.lin, dtype, device)
+            self.linear_mixer(spec, self.linear_spec, dtype, device)
             if self.lin.linear_layers[index]
             else GatedAttention(spec, dtype, device)
         )
-        return HybridLayer(spec, mixer, self.make_mlp(dtype, device), dtype, device)
+        return HybridLayer(spec, mixer, self.make_mlp(index, dtype, device), dtype, device)
 
-    def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
         return MLP(self.spec, dtype, device)
 
     # ---- the per-request state (``engine.state_cache``) -------------------------------
@@ -256,7 +369,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         state = self.state
         if state is None:
             raise RuntimeError("allocate_state() must run before the first step")
-        step = linear_step(backend, state)
+        step = linear_step(backend, state, self.tp)
         x = self.embed(input_ids)
         kv_iter, linear_index = iter(kv_caches), 0
         for layer in self.layers:
@@ -282,12 +395,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         spec, vocab, h = self.spec, self.vocab, self.spec.hidden_size
+        rows = Shard.rows(vocab.start, vocab.rows)  # (this rank's vocabulary rows)
         slots: dict[str, WeightSlot] = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, vocab.rows),
+            "model.embed_tokens.weight": (self.embed_tokens, 0, vocab.rows, rows),
             "model.norm.weight": (self.norm.weight, 0, h),
         }
         if not spec.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head, 0, vocab.rows)
+            slots["lm_head.weight"] = (self.lm_head, 0, vocab.rows, rows)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, HybridLayer)  # (a ModuleList types its items as Module)
             p = f"model.layers.{i}."
@@ -295,29 +409,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, h)
             mixer = layer.self_attn
             if isinstance(mixer, GatedDeltaNet):
-                lin = self.lin
-                for name, tensor, rows in (
-                    ("in_proj_qkv.weight", mixer.in_proj_qkv, lin.conv_dim),
-                    ("in_proj_z.weight", mixer.in_proj_z, lin.value_dim),
-                    ("in_proj_b.weight", mixer.in_proj_b, lin.num_v_heads),
-                    ("in_proj_a.weight", mixer.in_proj_a, lin.num_v_heads),
-                    ("conv1d.weight", mixer.conv_weight, lin.conv_dim),
-                    ("dt_bias", mixer.dt_bias, lin.num_v_heads),
-                    ("A_log", mixer.A_log, lin.num_v_heads),
-                    ("norm.weight", mixer.norm_weight, lin.v_head_dim),
-                    ("out_proj.weight", mixer.out_proj, h),
-                ):
-                    slots[f"{p}linear_attn.{name}"] = (tensor, 0, rows)
+                slots.update(mixer.weight_slots(p + "linear_attn."))
             else:
-                a = mixer
-                assert isinstance(a, GatedAttention)
-                q2, kv = 2 * a.q_size, a.kv_size
-                slots[p + "self_attn.q_proj.weight"] = (a.qkv_weight, 0, q2)
-                slots[p + "self_attn.k_proj.weight"] = (a.qkv_weight, q2, kv)
-                slots[p + "self_attn.v_proj.weight"] = (a.qkv_weight, q2 + kv, kv)
-                slots[p + "self_attn.o_proj.weight"] = (a.o_weight, 0, h)
-                slots[p + "self_attn.q_norm.weight"] = (a.gated_q_norm.weight, 0, spec.head_dim)
-                slots[p + "self_attn.k_norm.weight"] = (a.gated_k_norm.weight, 0, spec.head_dim)
+                assert isinstance(mixer, GatedAttention)
+                slots.update(mixer.weight_slots(p + "self_attn.", spec.head_dim))
             slots.update(layer.mlp.weight_slots(p + "mlp."))
         return slots
 
@@ -330,8 +425,22 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         # As for the other MoE models: the token-sorted path reads expert counts on the host.
         self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, SparseMoE))
 
-    def make_mlp(self, dtype: torch.dtype, device: torch.device) -> FeedForward:
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
         moe = self.spec.moe
         if moe is None:
             raise ValueError(f"{self.spec.architecture} needs the config's mixture-of-experts fields")
         return SparseMoE(self.spec, moe, ("gate_proj", "up_proj", "down_proj"), dtype, device)
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next (``Qwen3NextForCausalLM``), the hybrid before Qwen3.5: the same layers, its
+    linear attention's projections fused (``FusedGatedDeltaNet``), and, as Qwen2-MoE, dense
+    MLP layers where the config says (``mlp_only_layers``, ``decoder_sparse_step``)."""
+
+    linear_mixer = FusedGatedDeltaNet
+
+    def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
+        moe = self.spec.moe
+        if moe is None or index not in moe.sparse_layers:
+            return MLP(self.spec, dtype, device)
+        return super().make_mlp(index, dtype, device)

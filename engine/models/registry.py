@@ -14,7 +14,7 @@ from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
 from engine.models.moe import MixtralForCausalLM, MoEForCausalLM
 from engine.models.olmo3 import Olmo3ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
@@ -36,6 +36,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "BertModel": BertEncoder,
     "XLMRobertaModel": BertEncoder,
 }

@@ -82,7 +82,7 @@ def fallback_spec(path: Path) -> ModelSpec:
         # carried from one step to the next, so every step after the first would be wrong.
         raise ValueError(
             f"{cfg.model_type}: linear-attention (hybrid) layers are not supported by the transformers "
-            "fallback; Qwen3.5 runs natively (model_impl='native')"
+            "fallback; Qwen3.5 and Qwen3-Next run natively (model_impl='native')"
         )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, name, None) is not None:

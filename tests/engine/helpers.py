@@ -66,6 +66,7 @@ MODEL_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # The hybrid families at four layers: three linear-attention layers, then a full one.
     "qwen3_5": ("qwen3_5", {"num_layers": 4}, {}),
     "qwen3_5_moe": ("qwen3_5_moe", {"num_layers": 4}, {}),
+    "qwen3_next": ("qwen3_next", {"num_layers": 4}, {}),
     "qwen2_moe-dense-layers": (
         "qwen2_moe",
         {"num_layers": 4, "moe": {"decoder_sparse_step": 2, "mlp_only_layers": [3]}},

@@ -69,7 +69,9 @@ def test_preemption_when_kv_cache_is_small(family, tiny_models, hf_reference, ma
     assert llm.engine.stats().num_preemptions > 0  # each recomputed its state from zero
 
 
-@pytest.mark.parametrize("family", HYBRID)
+# Qwen3-Next (the same layers, its linear projections fused per key head, a dense MLP layer
+# among the sparse ones) in this one: mixed lengths, prefill chunks mixed with decodes.
+@pytest.mark.parametrize("family", [*HYBRID, "qwen3_next"])
 def test_chunked_prefill_carries_the_state_across_chunks(family, tiny_models, hf_reference, make_llm, monkeypatch):
     path, kwargs = model_case(tiny_models, family)
     llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=8, **kwargs)

@@ -110,6 +110,25 @@ def test_two_ranks_split_gemma4_per_layer_kind(tiny_models, hf_reference, make_l
     assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_two_ranks_split_qwen3_5s_linear_attention_heads_and_state(tiny_models, hf_reference, make_llm, family):
+    """Qwen3.5 (dense and MoE) and Qwen3-Next: each rank keeps one of the two key heads with its
+    two value heads (their rows of the projections, fused per key head in Qwen3-Next's, their
+    conv channels, decay and norm), and state slots for those heads only; the gated full
+    attention's heads and the experts split as the other models'. Prefill chunks run mixed
+    with decodes; ``make_llm`` checks that no KV block and no state slot is left held."""
+    path, kwargs = model_case(tiny_models, family)
+    llm = make_llm(path, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+    try:
+        state = llm.engine.runner.state_cache
+        assert state is not None
+        assert state.conv[0].shape[1:] == (2 * 16 + 2 * 8, 3) and state.recurrent[0].shape[1:] == (2, 16, 8)
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
+
+
 def test_two_ranks_verify_ngram_proposals_as_one_process_does(tiny_models, make_llm):
     path = tiny_models("llama", num_kv_heads=1)
     # Prompts that repeat themselves, so prompt lookup finds something to propose.
@@ -305,6 +324,20 @@ def test_gemma4_kinds_that_do_not_split_are_refused(tiny_models):
     moe = dataclasses.replace(spec.gemma4, num_experts=4, top_k_experts=2, moe_intermediate_size=30)
     with pytest.raises(ValueError, match="moe_intermediate_size 30"):
         check_tensor_parallel(dataclasses.replace(spec, gemma4=moe), 4)
+
+
+def test_qwen3_5_linear_heads_that_do_not_split_are_refused(tiny_models):
+    path, _ = model_case(tiny_models, "qwen3_5")  # linear layers: 2 key heads, 4 value heads
+    spec = ModelSpec.from_pretrained(path)
+    assert spec.linear_attention is not None
+    check_tensor_parallel(spec, 2)
+    # 4 ranks divide the full-attention layers' 4 heads (2 KV heads, each on two ranks), not
+    # the 2 key heads: a rank would hold half a key head's value heads.
+    with pytest.raises(ValueError, match=r"does not divide the model's linear_num_key_heads 2; pick a size"):
+        check_tensor_parallel(spec, 4)
+    odd = dataclasses.replace(spec.linear_attention, num_k_heads=3, num_v_heads=6)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's linear_num_key_heads 3"):
+        check_tensor_parallel(dataclasses.replace(spec, linear_attention=odd), 2)
 
 
 def test_the_transformers_fallback_is_not_split(tiny_models):
