@@ -27,6 +27,9 @@ class QuantScheme(ABC):
     method: ClassVar[str]
     # Checkpoint tensors the dequantizing path does not use (activation scales): skipped.
     unused_suffixes: ClassVar[tuple[str, ...]] = ()
+    # Whether its layers quantize their inputs too (W8A8): their weights are then kept
+    # quantized on every device, since the activations' rounding is part of the arithmetic.
+    quantizes_activations: bool = False
 
     @abstractmethod
     def __init__(self, config: Mapping[str, Any]) -> None:

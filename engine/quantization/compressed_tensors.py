@@ -1,7 +1,9 @@
 """``quant_method: "compressed-tensors"`` (llm-compressor's checkpoints) in two formats:
 
 - ``float-quantized``: e4m3 ``weight`` times ``weight_scale`` per tensor, per output channel or
-  per block (W8A8 FP8; the activation scales are not used: activations stay in full precision);
+  per block; with ``input_activations`` (W8A8 FP8) each layer's input quantized to e4m3 too, by
+  the checkpoint's static per-tensor ``input_scale`` or a dynamic scale per tensor, token or
+  group (``engine.quantization.activations``);
 - ``pack-quantized``: int4 or int8 ``weight_packed`` (int32 words, lowest bits first, stored
   offset by ``2**(bits-1)``), times ``weight_scale`` per group of inputs or per channel, minus
   ``weight_zero_point`` (packed along the output dim) when asymmetric; ``weight_g_idx`` maps
@@ -15,10 +17,12 @@ from typing import Any
 
 import torch
 
+from engine.quantization.activations import ActivationQuant
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
 from engine.quantization.fp8 import dequantize_blocks, fp8_kernel_weight
 from engine.quantization.kernel_weights import Int4Weight, KernelWeight, consecutive_groups
 from engine.quantization.packing import unpack_int32
+from engine.quantization.w8a8 import W8A8Weight
 
 _PACKED = "pack-quantized"
 _FLOAT = "float-quantized"
@@ -68,8 +72,13 @@ class CompressedTensorsScheme(QuantScheme):
         self.formats: set[str] = set()
         self.packed_bits: int | None = None
         self.block: tuple[int, int] | None = None
+        self.acts: set[ActivationQuant | None] = set()
         for name, group in groups.items():
             self._read_group(name, group, group.get("format") or config.get("format"))
+        if len(self.acts) > 1:
+            raise ValueError(f"quantization {self.method!r}: config_groups quantize their activations differently")
+        self.act = next(iter(self.acts), None)
+        self.quantizes_activations = self.act is not None
 
     def _read_group(self, name: str, group: Mapping[str, Any], fmt: str | None) -> None:
         weights = group.get("weights")
@@ -91,12 +100,40 @@ class CompressedTensorsScheme(QuantScheme):
             if strategy == "block":
                 rows, cols = weights["block_structure"]
                 self.block = (int(rows), int(cols))
+            self.acts.add(self._activations(name, group.get("input_activations")))
         else:
             raise ValueError(
                 f"quantization {self.method!r}: config_groups.{name} ({fmt}, {kind}{bits} {strategy}) is not "
                 f"supported: {_PACKED} int4/int8 by group or channel, {_FLOAT} fp8 by tensor, channel or block"
             )
+        if fmt == _PACKED and group.get("input_activations"):
+            raise refuse(self.method, f"config_groups.{name}.input_activations", "set", f"none with {_PACKED}")
         self.formats.add(fmt)
+
+    def _activations(self, name: str, args: Mapping[str, Any] | None) -> ActivationQuant | None:
+        """How a float-quantized group quantizes its inputs (``None``: it does not)."""
+        if not args:
+            return None
+        where = f"config_groups.{name}.input_activations"
+        check_options(f"{self.method} {where}", args, _WEIGHT_OPTIONS)
+        kind, bits = args.get("type"), args.get("num_bits")
+        strategy, dynamic, group_size = args.get("strategy"), args.get("dynamic"), args.get("group_size")
+        if kind != "float" or bits != 8:
+            raise refuse(self.method, where, f"{kind}{bits}", "float8")
+        if not args.get("symmetric", True):
+            raise refuse(self.method, f"{where}.symmetric", False, "symmetric FP8")
+        if strategy == "tensor" and dynamic is False:
+            return ActivationQuant("static")
+        if strategy in ("tensor", "token") and dynamic is True:
+            return ActivationQuant(strategy)
+        if strategy == "group" and dynamic is True and isinstance(group_size, int) and group_size > 0:
+            return ActivationQuant("group", group_size)
+        raise refuse(
+            self.method,
+            where,
+            f"{strategy} dynamic={dynamic}",
+            "static per tensor, or dynamic per tensor, token or group",
+        )
 
     def find(self, names: Collection[str]) -> list[QuantizedTensor]:
         found: list[QuantizedTensor] = []
@@ -111,7 +148,10 @@ class CompressedTensorsScheme(QuantScheme):
             found += find_by_suffix(names, roles, "packed", ".weight", optional=("zero_point", "g_idx"))
         if _FLOAT in self.formats:
             packed = {q.name for q in found}
-            floats = find_by_suffix(names, {"weight": ".weight", "scale": ".weight_scale"}, "scale", ".weight")
+            roles = {"weight": ".weight", "scale": ".weight_scale"}
+            if self.act is not None and self.act.strategy == "static":
+                roles["input_scale"] = ".input_scale"
+            floats = find_by_suffix(names, roles, "scale", ".weight")
             found += [q for q in floats if q.name not in packed]
         return found
 
@@ -135,7 +175,8 @@ class CompressedTensorsScheme(QuantScheme):
 
     def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> KernelWeight | None:
         if "packed" not in parts:
-            return fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+            weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+            return weight if self.act is None else W8A8Weight.of(weight, self.act, parts.get("input_scale"))
         if self.packed_bits != 4 or not consecutive_groups(parts.get("g_idx"), parts["scale"].shape[-1]):
             return None
         rows, cols = (int(n) for n in parts["shape"].tolist())

@@ -1,6 +1,11 @@
 """``quant_method: "fp8"`` (transformers' FineGrainedFP8, Qwen's and DeepSeek's ``-FP8``
 releases): e4m3 weights times a scale, one per ``weight_block_size`` block (``weight_scale_inv``,
-blocks at the edges cut short) or one per tensor (``weight_scale_inv`` or ``weight_scale``)."""
+blocks at the edges cut short) or one per tensor (``weight_scale_inv`` or ``weight_scale``).
+
+Activations are quantized to e4m3 too (W8A8), as ``activation_scheme`` says: ``static``, by the
+checkpoint's per-tensor ``input_scale``; ``dynamic``, by a scale computed per group of
+``weight_block_size[1]`` inputs of each token for block-scaled weights (DeepSeek's and vLLM's
+arithmetic), else one per tensor (vLLM's)."""
 
 from __future__ import annotations
 
@@ -9,14 +14,17 @@ from typing import Any
 
 import torch
 
+from engine.quantization.activations import ActivationQuant
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
 from engine.quantization.kernel_weights import Fp8Weight
+from engine.quantization.w8a8 import W8A8Weight
 
 
 class Fp8Scheme(QuantScheme):
     method = "fp8"
-    # Static activation scales: the dequantizing path computes activations in full precision.
+    # Activation scales of a dynamic checkpoint, where it ships them: unused.
     unused_suffixes = (".input_scale", ".activation_scale")
+    quantizes_activations = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         check_options(
@@ -26,16 +34,29 @@ class Fp8Scheme(QuantScheme):
         )
         if config.get("fmt", "e4m3") != "e4m3":
             raise refuse(self.method, "fmt", config["fmt"], "e4m3")
-        if config.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
-            raise refuse(self.method, "activation_scheme", config["activation_scheme"], "dynamic or static")
+        activation_scheme = config.get("activation_scheme", "dynamic")
+        if activation_scheme not in ("dynamic", "static"):
+            raise refuse(self.method, "activation_scheme", activation_scheme, "dynamic or static")
         block = config.get("weight_block_size")
         if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise refuse(self.method, "weight_block_size", block, "two positive integers")
         self.block: tuple[int, int] | None = (block[0], block[1]) if block is not None else None
+        if activation_scheme == "static" and block is not None:
+            raise refuse(self.method, "activation_scheme", "static", "dynamic with weight_block_size")
+        if activation_scheme == "static":
+            self.act = ActivationQuant("static")
+        elif self.block is not None:
+            self.act = ActivationQuant("group", self.block[1])
+        else:
+            self.act = ActivationQuant("tensor")
 
     def find(self, names: Collection[str]) -> list[QuantizedTensor]:
-        found = find_by_suffix(names, {"weight": ".weight", "scale": ".weight_scale_inv"}, "scale", ".weight")
-        found += find_by_suffix(names, {"weight": ".weight", "scale": ".weight_scale"}, "scale", ".weight")
+        found = []
+        for scale in (".weight_scale_inv", ".weight_scale"):
+            roles = {"weight": ".weight", "scale": scale}
+            if self.act.strategy == "static":
+                roles["input_scale"] = ".input_scale"
+            found += find_by_suffix(names, roles, "scale", ".weight")
         return found
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -48,8 +69,9 @@ class Fp8Scheme(QuantScheme):
             raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} without weight_block_size in the config")
         return dequantize_blocks(weight.float(), scale, self.block)
 
-    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> Fp8Weight | None:
-        return fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+    def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> W8A8Weight | None:
+        weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+        return W8A8Weight.of(weight, self.act, parts.get("input_scale"))
 
 
 def fp8_kernel_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Weight | None:

@@ -5,7 +5,10 @@ tests) and the model has one rank, a layer's ``quantized_linears`` (the weights 
 only passes to ``F.linear``) whose every piece a kernel serves become a
 ``QuantizedLinearWeight``: a tensor of the weight's shape and dtype with no storage of its
 own, whose ``F.linear`` calls the kernel. The forward passes are unchanged. Elsewhere (the
-CPU, tensor parallelism, a piece no kernel serves) the weight stays dequantized.
+CPU, tensor parallelism, a piece no kernel serves) the weight stays dequantized, except that a
+W8A8 weight (its layer quantizes its input too) is kept on the CPU as well, where it emulates
+the arithmetic (``engine.quantization.w8a8``); under tensor parallelism it is dequantized and
+its activations stay in full precision.
 
 Loading still fills the dequantized weight first (the fallback should a piece not stack), so
 the peak while loading is the unquantized model's; once loaded the model holds the packed
@@ -79,7 +82,8 @@ class KeptWeights:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
         self.places: dict[int, tuple[nn.Module, str]] = {}
-        if keeps_quantized(device):
+        self.keeps_all = keeps_quantized(device)
+        if parallel_state.current().world_size == 1:
             for module in model.modules():
                 for name in getattr(module, "quantized_linears", ()):
                     param = module._parameters.get(name)
@@ -90,6 +94,8 @@ class KeptWeights:
     def offer(self, target: torch.Tensor, offset: int, read: object) -> None:
         """The loader read ``read`` into ``target`` from row ``offset``."""
         if id(target) not in self.places:
+            return
+        if not self.keeps_all and not getattr(read, "quantizes_activations", False):
             return
         kernel_weight = getattr(read, "kernel_weight", None)
         piece = kernel_weight() if kernel_weight is not None else None

@@ -133,6 +133,12 @@ class Fp8Weight(KernelWeight):
     def cols(self) -> int:  # type: ignore[override]
         return self.weight.shape[1]
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight it stores."""
+        rows, cols = self.weight.shape
+        full = self.scale.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
+        return self.weight.float() * full
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.quant_gemm import fp8_block_gemm  # imports Triton: only where a kernel runs
 

@@ -53,6 +53,7 @@ class QuantizedReader:
 
     def __init__(self, scheme: QuantScheme, parts: Mapping[str, str], get: Callable[[str], torch.Tensor]) -> None:
         self.scheme, self.parts, self.get = scheme, parts, get
+        self.quantizes_activations = scheme.quantizes_activations
 
     def __call__(self, shard: Shard | None) -> torch.Tensor:
         tensor = self.scheme.dequantize(self._read())

@@ -73,6 +73,18 @@ def fp8_tensor(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {".weight": q, ".weight_scale": scale.reshape(())}, q.float() * scale
 
 
+def with_input_scale(quantize: Quantizer) -> Quantizer:
+    """A static per-tensor ``input_scale`` beside each weight, as calibration writes one: a
+    different one a layer (q, k and v each their own), about the inputs' range here."""
+
+    def with_scale(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        parts, dequantized = quantize(w)
+        absmax = 2.0 + float(w.abs().sum()) % 2.0  # in [2, 4): a few inputs clip
+        return {**parts, ".input_scale": torch.tensor([absmax / _FP8_MAX])}, dequantized
+
+    return with_scale
+
+
 # ---- int4 with groups along the inputs: the integers AWQ and GPTQ pack ----------------
 def int4_groups(
     w: torch.Tensor, group_size: int, sym: bool, min_zero: int = 0
@@ -192,6 +204,88 @@ def _ct_qparams(w: torch.Tensor, args) -> dict[str, torch.Tensor]:
     if not args.symmetric:
         params["weight_zero_point"] = zero
     return params
+
+
+def static_inputs(format_: tuple[dict, Quantizer]) -> tuple[dict, Quantizer]:
+    """A format's config and quantizer, with a static ``input_scale`` beside each weight."""
+    config, quantize = format_
+    return config, with_input_scale(quantize)
+
+
+# ---- W8A8: the oracle quantizes each quantized layer's input, with compressed-tensors' functions
+def activation_args(quantization_config: dict):
+    """compressed-tensors' ``QuantizationArgs`` of the inputs of a W8A8 checkpoint's layers, or
+    ``None`` where its activations stay in full precision (the fp8 formats' by their
+    documented meaning: static per tensor; dynamic by 1 x block groups or per tensor)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if quantization_config["quant_method"] == "compressed-tensors":
+        groups = list(quantization_config["config_groups"].values())
+        args = groups[0].get("input_activations")
+        return QuantizationArgs(**args) if args else None
+    if quantization_config["quant_method"] != "fp8":
+        return None  # int4 weight-only
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    if quantization_config.get("activation_scheme") == "static":
+        return QuantizationArgs(**fp8, strategy="tensor", dynamic=False)
+    block = quantization_config.get("weight_block_size")
+    if block:
+        return QuantizationArgs(**fp8, strategy="group", group_size=block[1], dynamic=True)
+    return QuantizationArgs(**fp8, strategy="tensor", dynamic=True)
+
+
+def quantize_activations(model: torch.nn.Module, quantized_dir: Path) -> torch.nn.Module:
+    """Hooks on transformers' ``model`` that fake-quantize the input of each linear layer
+    whose weight the checkpoint ``quantized_dir`` quantizes, as the format says (its static
+    ``input_scale``, or min-max scales over the input's tensor, tokens or groups: the
+    observer's), through compressed-tensors' ``calculate_qparams`` and ``fake_quantize``."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # type: ignore[import-untyped]
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = json.loads((quantized_dir / "config.json").read_text())["quantization_config"]
+    args = activation_args(config)
+    if args is None:
+        return model
+    tensors = load_file(quantized_dir / "model.safetensors")
+
+    def hook(module, inputs, input_scale=None):
+        x = inputs[0]
+        flat = x.reshape(-1, x.shape[-1])
+        if input_scale is not None:
+            scale, zero = input_scale.float(), torch.zeros_like(input_scale)
+        else:
+            if args.strategy == "token":
+                lo, hi = flat.amin(-1, keepdim=True), flat.amax(-1, keepdim=True)
+            elif args.strategy == "group":
+                groups = flat.reshape(flat.shape[0], -1, args.group_size)
+                lo, hi = groups.amin(-1), groups.amax(-1)
+            else:
+                lo, hi = flat.amin(), flat.amax()
+            scale, zero = calculate_qparams(lo, hi, args)
+        return (fake_quantize(flat, scale, zero, args).reshape(x.shape), *inputs[1:])
+
+    hooked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if not any(f"{name}.{suffix}" in tensors for suffix in ("weight_scale", "weight_scale_inv")):
+            continue
+        input_scale = tensors.get(f"{name}.input_scale")
+        assert (input_scale is not None) == (not args.dynamic), name
+        module.register_forward_pre_hook(lambda m, i, s=input_scale: hook(m, i, s))
+        hooked += 1
+    assert hooked, "no layer of the model is quantized"
+    return model
+
+
+def w8a8_oracle(hf_reference, quantized_dir: Path, oracle_dir: Path):
+    """The ``hf_reference`` of ``oracle_dir``, its layers' inputs quantized as
+    ``quantized_dir``'s format says (once: the reference is cached)."""
+    hf = hf_reference(str(oracle_dir))
+    if not getattr(hf.model, "_conveyor_w8a8", False):
+        quantize_activations(hf.model, quantized_dir)
+        hf.model._conveyor_w8a8 = True
+    return hf
 
 
 # ---- MXFP4 (gpt-oss as released) -------------------------------------------------------

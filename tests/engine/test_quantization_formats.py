@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.models.loader import check_checkpoint
 from engine.quantization import scheme_from_config
@@ -84,6 +85,15 @@ def test_compressed_tensors_dequantize_as_the_library_decompresses(weights, fmt)
     assert not torch.equal(ours, w)  # quantized: the check is not vacuous
 
 
+def _w8a8(input_activations: dict) -> dict:
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": {"weights": weights, "input_activations": input_activations}},
+    }
+
+
 @pytest.mark.parametrize(
     ("config", "named"),
     [
@@ -122,6 +132,13 @@ def test_compressed_tensors_dequantize_as_the_library_decompresses(weights, fmt)
             },
             "kv_cache_scheme",
         ),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "activation_scheme='static'",
+        ),
+        (_w8a8({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "input_activations"),
+        (_w8a8({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}), "input_activations"),
+        (_w8a8({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": "local"}), "input_activations"),
     ],
 )
 def test_unknown_schemes_and_options_are_refused_by_name(config, named):
@@ -136,6 +153,60 @@ def test_a_checkpoint_with_an_unsupported_scheme_is_refused_at_check(tiny_models
     )
     with pytest.raises(ValueError, match="version='gemv'"):
         check_checkpoint(quantized)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"strategy": "tensor", "dynamic": False},
+        {"strategy": "tensor", "dynamic": True},
+        {"strategy": "token", "dynamic": True},
+        {"strategy": "group", "group_size": 32, "dynamic": True},
+    ],
+)
+def test_w8a8_layers_quantize_their_inputs_as_compressed_tensors_does(args):
+    """A W8A8 weight's product on the CPU: the input fake-quantized by compressed-tensors'
+    ``calculate_qparams`` / ``fake_quantize`` (the static scale: the checkpoint's), times the
+    dequantized weight, in float32."""
+    from compressed_tensors.quantization import QuantizationArgs  # type: ignore[import-untyped]
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # type: ignore[import-untyped]
+    from compressed_tensors.quantization.utils import calculate_qparams  # type: ignore[import-untyped]
+
+    from engine.quantization.kept import QuantizedLinearWeight
+    from engine.quantization.w8a8 import W8A8Weight
+
+    act = {"num_bits": 8, "type": "float", "symmetric": True, **args}
+    scheme = scheme_from_config({"quantization_config": _w8a8(act)})
+    assert scheme is not None and scheme.quantizes_activations
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g) * 3
+    x[1] = 0  # an all-zero token: its scale is eps, not a division by zero
+    weight_scale = w.abs().amax(-1, keepdim=True) / 448
+    parts = {"weight": (w / weight_scale).to(torch.float8_e4m3fn), "scale": weight_scale}
+    if not args["dynamic"]:
+        parts["input_scale"] = torch.tensor([2.5 / 448])  # some inputs clip
+    kernel = scheme.kernel_weight(parts)
+    assert kernel is not None
+    ours = F.linear(x, QuantizedLinearWeight(kernel, torch.float32, torch.device("cpu")))
+
+    qargs = QuantizationArgs(**act)
+    if not args["dynamic"]:
+        scale = parts["input_scale"]
+    elif args["strategy"] == "token":
+        scale, _ = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), qargs)
+    elif args["strategy"] == "group":
+        groups = x.reshape(5, -1, 32)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), qargs)
+    else:
+        scale, _ = calculate_qparams(x.amin(), x.amax(), qargs)
+    x_q = fake_quantize(x, scale, torch.zeros_like(scale), qargs)
+    assert isinstance(kernel, W8A8Weight)
+    ours_q = kernel.act.quantize(x, kernel.act.scale(x, kernel.segments[0][1]))
+    assert torch.equal(kernel.act.dequantize(ours_q, kernel.act.scale(x, kernel.segments[0][1])), x_q)
+    # The product: float32 matmuls of the same operands (their summation order may differ).
+    expected = x_q @ (parts["weight"].float() * weight_scale).t()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(x_q, x, rtol=1e-3, atol=1e-3)  # the input was rounded: not vacuous
 
 
 def test_an_fp8_weight_without_its_scale_is_refused():
@@ -160,3 +231,26 @@ def test_a_quantized_architecture_without_a_native_forward_is_refused(tiny_model
     assert config["quantization_config"]["quant_method"] == "fp8"
     with pytest.raises(ValueError, match="runs natively only"):
         load_spec(quantized)
+
+
+@pytest.mark.parametrize(("strategy", "dynamic"), [("tensor", False), ("token", True)])
+def test_scaled_mm_takes_the_w8a8_operands_as_the_emulation_multiplies_them(strategy, dynamic):
+    """The operands and scales given to ``torch._scaled_mm`` (per tensor; per token by per
+    channel) give the emulated product: run here through its CPU implementation (on a GPU it
+    is cuBLASLt's; the arguments are the same)."""
+    from engine.quantization import w8a8
+
+    act = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic}
+    scheme = scheme_from_config({"quantization_config": _w8a8(act)})
+    assert scheme is not None
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g) * 3
+    weight_scale = w.abs().amax(-1, keepdim=True) / 448 if dynamic else w.abs().amax().reshape(1) / 448
+    parts = {"weight": (w / weight_scale).to(torch.float8_e4m3fn), "scale": weight_scale}
+    if not dynamic:
+        parts["input_scale"] = torch.tensor([2.5 / 448])
+    kernel = scheme.kernel_weight(parts)
+    assert isinstance(kernel, w8a8.W8A8Weight) and kernel.uniform == (not dynamic)
+    scale = kernel.act.scale(x, kernel.segments[0][1])
+    out = w8a8._scaled_mm(kernel.act.quantize(x, scale), kernel.weight, scale, torch.float32, kernel.uniform)
+    torch.testing.assert_close(out, kernel.matmul(x), rtol=1e-5, atol=1e-5)

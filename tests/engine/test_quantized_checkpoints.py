@@ -1,6 +1,7 @@
 """Quantized checkpoints in each format, loaded and dequantized, answer greedy token for token
-as transformers does on the float weights the format stores (float32, CPU): transformers' own
-FP8 loader on the FP8 checkpoint itself; for the int4 formats, the weights dequantized from the
+as transformers does on the float weights the format stores (float32, CPU), its layers' inputs
+quantized to e4m3 by compressed-tensors' own functions where the format is W8A8 (the FP8
+ones): transformers' own FP8 loader on the FP8 checkpoint itself; for the int4 formats, the weights dequantized from the
 integers before they were packed (AWQ, GPTQ) or by the compressed-tensors library. The engine
 conditions (requests joining, preemption, chunked prefill, prefix caching), tensor parallelism
 and a mixture of experts run on one FP8 and one int4 checkpoint."""
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.quantization.kept import QuantizedLinearWeight
+from engine.quantization.w8a8 import W8A8Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.reference import assert_outputs_match, greedy, oracle_model
@@ -25,7 +28,11 @@ FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
         {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 32]},
         qc.fp8_block((16, 32)),
     ),
-    "fp8-tensor": lambda: ({"quant_method": "fp8", "activation_scheme": "static"}, qc.fp8_tensor),
+    "fp8-tensor-static": lambda: (
+        {"quant_method": "fp8", "activation_scheme": "static"},
+        qc.with_input_scale(qc.fp8_tensor),
+    ),
+    "fp8-tensor-dynamic": lambda: ({"quant_method": "fp8", "activation_scheme": "dynamic"}, qc.fp8_tensor),
     "awq": lambda: (
         {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
         qc.awq_gemm(32),
@@ -53,14 +60,25 @@ FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
         },
         "float-quantized",
     ),
-    "ct-w8a8-fp8-tensor": lambda: qc.compressed_tensors(
-        {
-            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
-        },
+    "ct-w8a8-fp8-tensor-static": lambda: qc.static_inputs(
+        qc.compressed_tensors(
+            {
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+            },
+            "float-quantized",
+        )
+    ),
+    "ct-w8a16-fp8-channel": lambda: qc.compressed_tensors(
+        {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}},
         "float-quantized",
     ),
 }
+
+
+# A per-tensor dynamic input scale is the max over the whole step's batch (as in vLLM): the
+# oracle's batches (one prompt, then a token a step) are matched by serving one request at a time.
+ONE_AT_A_TIME = {"fp8-tensor-dynamic"}
 
 
 def quantized_model(tiny_models, tmp_path_factory, family: str, fmt: str):
@@ -73,8 +91,18 @@ def test_quantized_llama_matches_transformers_on_the_weights_it_stores(
     fmt, tiny_models, tmp_path_factory, hf_reference, make_llm
 ):
     quantized, reference = quantized_model(tiny_models, tmp_path_factory, "llama", fmt)
-    outs = make_llm(str(quantized)).generate(PROMPTS, greedy(MAX_TOKENS))
-    assert_outputs_match(hf_reference(str(reference)), PROMPTS, MAX_TOKENS, outs)
+    kwargs = {"max_num_seqs": 1} if fmt in ONE_AT_A_TIME else {}
+    llm = make_llm(str(quantized), **kwargs)
+    # W8A8 weights stay e4m3 on the CPU too: their layers quantize their inputs.
+    w8a8 = [
+        isinstance(getattr(m, name), QuantizedLinearWeight) and isinstance(getattr(m, name).kernel, W8A8Weight)
+        for m in llm.engine.runner.model.modules()
+        for name in getattr(m, "quantized_linears", ())
+    ]
+    expected = qc.activation_args(FORMATS[fmt]()[0]) is not None
+    assert w8a8 and all(kept == expected for kept in w8a8), w8a8
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
 
 
 def test_transformers_own_fp8_loader_reads_the_weights_we_read(tiny_models, tmp_path_factory, hf_reference, make_llm):
@@ -83,7 +111,7 @@ def test_transformers_own_fp8_loader_reads_the_weights_we_read(tiny_models, tmp_
     for name, tensor in oracle_model(str(reference)).named_parameters():
         assert torch.equal(theirs[name], tensor), name
     outs = make_llm(str(quantized)).generate(PROMPTS, greedy(MAX_TOKENS))
-    assert_outputs_match(hf_reference(str(quantized)), PROMPTS, MAX_TOKENS, outs)
+    assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, quantized), PROMPTS, MAX_TOKENS, outs)
 
 
 # One FP8 and one int4 checkpoint under each engine condition.
@@ -101,14 +129,14 @@ def test_requests_joining_mid_flight(fmt, tiny_models, tmp_path_factory, hf_refe
         finished.update({o.request_id: o for o in engine.step() if o.finished})
         step += 1
     outs = [finished[f"r{i}"] for i in range(len(PROMPTS))]
-    assert_outputs_match(hf_reference(str(reference)), PROMPTS, MAX_TOKENS, outs)
+    assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
     assert_no_leaks(engine)
 
 
 @pytest.mark.parametrize("fmt", CONDITION_FORMATS)
 def test_preemption_chunked_prefill_and_prefix_caching(fmt, tiny_models, tmp_path_factory, hf_reference, make_llm):
     quantized, reference = quantized_model(tiny_models, tmp_path_factory, "qwen3", fmt)
-    hf = hf_reference(str(reference))
+    hf = qc.w8a8_oracle(hf_reference, quantized, reference)
     max_tokens = [m + 16 for m in MAX_TOKENS]
     # Few blocks: requests are preempted and recomputed; a small budget: prompts in chunks.
     llm = make_llm(str(quantized), block_size=4, num_kv_blocks=12, max_num_batched_tokens=6)
@@ -127,7 +155,7 @@ def test_preemption_chunked_prefill_and_prefix_caching(fmt, tiny_models, tmp_pat
 def test_quantized_experts_match_transformers(fmt, tiny_models, tmp_path_factory, hf_reference, make_llm):
     quantized, reference = quantized_model(tiny_models, tmp_path_factory, "qwen3_moe", fmt)
     outs = make_llm(str(quantized)).generate(PROMPTS, greedy(MAX_TOKENS))
-    assert_outputs_match(hf_reference(str(reference)), PROMPTS, MAX_TOKENS, outs)
+    assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
 
 
 def test_two_ranks_shard_a_quantized_checkpoint(tiny_models, tmp_path_factory, hf_reference, make_llm):

@@ -1,7 +1,8 @@
 """Quantized weights kept quantized and multiplied through the GEMM kernels of
 ``kernels.quant_gemm`` (here in Triton's interpreter, as on a GPU they run compiled): the layers
 hold the packed weights and scales only, and the model answers greedy token for token as
-transformers does on the float weights the format stores. A layout no kernel serves (GPTQ's
+transformers does on the float weights the format stores (W8A8 formats: its layers' inputs
+quantized by compressed-tensors' functions). A layout no kernel serves (GPTQ's
 activation order) stays dequantized."""
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
         {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 32]},
         qc.fp8_block((16, 32)),
     ),
-    "fp8-tensor": lambda: ({"quant_method": "fp8", "activation_scheme": "static"}, qc.fp8_tensor),
+    "fp8-tensor": lambda: (
+        {"quant_method": "fp8", "activation_scheme": "static"},
+        qc.with_input_scale(qc.fp8_tensor),
+    ),
     "awq": lambda: (
         {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
         qc.awq_gemm(32),
@@ -38,8 +42,15 @@ FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
         {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}},
         "pack-quantized",
     ),
-    "ct-w8a8-fp8-channel": lambda: qc.compressed_tensors(
+    "ct-w8a16-fp8-channel": lambda: qc.compressed_tensors(
         {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}},
+        "float-quantized",
+    ),
+    "ct-w8a8-fp8-channel-token": lambda: qc.compressed_tensors(
+        {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        },
         "float-quantized",
     ),
 }
@@ -69,7 +80,7 @@ def test_kept_weights_answer_as_transformers_on_the_stored_weights(
     kept_bytes = sum(w.kernel.nbytes() for w in linears)
     assert kept_bytes < float_bytes / 3
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
-    assert_outputs_match(hf_reference(str(reference)), PROMPTS, MAX_TOKENS, outs)
+    assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
 
 
 @pytest.mark.usefixtures("keep_on_cpu")
