@@ -1,0 +1,315 @@
+"""GGUF names and metadata of the 2026 architectures llama.cpp's format names: ``smollm3``,
+``gpt-oss``, ``glm4moe`` and ``deepseek2`` (DeepSeek-V3 and its descendants), as llama.cpp's
+``convert_hf_to_gguf`` writes them, mapped back to transformers' names and config.
+
+- SmolLM3: the Llama converter (Q/K rows permuted for llama.cpp's RoPE, undone by ``gguf``);
+  the file says nothing of NoPE layers: llama.cpp assumes every 4th layer without RoPE, which
+  is transformers' default (``no_rope_layer_interval`` 4), and no sliding window.
+- gpt-oss: gate and up split out of the interleaved ``gate_up_proj`` into ``ffn_gate_exps`` and
+  ``ffn_up_exps`` (``[experts, inter, hidden]``, biases ``[experts, inter]``), ``down_proj``
+  transposed to ``ffn_down_exps`` ``[experts, hidden, inter]``, experts usually MXFP4; the sinks
+  are ``attn_sinks``. Layers alternate sliding and full from the first (llama.cpp's pattern 2),
+  YaRN from the metadata, the clamped SwiGLU's constants are llama.cpp's (and transformers').
+- GLM-4.5 MoE: unpermuted; ``block_count`` counts the multi-token-prediction layers too
+  (``nextn_predict_layers``), whose tensors are skipped; the dense first layers
+  (``leading_dense_block_count``), sigmoid routing with its correction bias ``exp_probs_b`` and
+  the grouped top-k (``expert_group_count``/``expert_group_used_count``).
+- DeepSeek-V3 (``deepseek2``): written as one KV head (MQA over the latent); ``kv_b_proj`` is
+  split per head into ``attn_k_b`` (``[heads, kv_lora_rank, qk_nope]``, transposed) and
+  ``attn_v_b`` (``[heads, v_head_dim, kv_lora_rank]``) for llama.cpp's absorbed decode, merged
+  back here (an older file's whole ``attn_kv_b`` is taken as it is); the key and value widths
+  are ``key_length_mla``/``value_length_mla``; llama.cpp's RoPE turns neighbouring pairs, which
+  is transformers' ``rope_interleave``. Softmax routing (DeepSeek-V2) is refused.
+
+Qwen3.5 (``qwen35``/``qwen35moe``) is not read: its linear-attention tensors are reordered per
+value head by the converter (``ssm_*``), not mapped here yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.models.model_config import ModelSpec
+
+Meta = Callable[..., Any]  # ``meta(key, default)``: the file's ``<arch>.<key>`` field
+Tensors = Iterator[tuple[str, str, torch.Tensor]]  # (file name, transformers name, float32)
+
+# llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE``: 1 softmax, 2 sigmoid.
+_SIGMOID_GATING = 2
+
+_ATTENTION = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# GLM-4.5 and DeepSeek-V3's sparse layers: router, correction bias, ungated shared experts.
+_ROUTED = {
+    **_ATTENTION,
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",  # (``.bias`` -> ``e_score_correction_bias``)
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_ROUTED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MLA = {
+    **_ROUTED,
+    "attn_q": "self_attn.q_proj",  # (no q_lora_rank: one projection)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+}
+# gpt-oss's experts stay stacked, under names ``_interleave_gpt_oss_experts`` turns into transformers'.
+_GPT_OSS = {
+    **_ATTENTION,
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """One architecture: its model_type, config from the metadata, and tensor names."""
+
+    model_type: str
+    config: Callable[[Path, Meta, set[str], dict[str, Any]], dict[str, Any]]
+    layer_tensors: dict[str, str]
+    # The per-expert stacks split into transformers' per-expert tensors (GLM, DeepSeek).
+    split_experts: bool = False
+    permuted: bool = False  # Q/K rows permuted (llama.cpp's Llama converter)
+    merge: Callable[[Tensors, ModelSpec, Path], Tensors] | None = None
+
+
+def _no_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _yarn(meta: Meta, **extra: Any) -> dict[str, Any]:
+    if meta("rope.scaling.type") != "yarn":
+        return {}
+    return {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": meta("rope.scaling.factor"),
+            "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+            "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0),
+            **extra,
+        }
+    }
+
+
+def _gpt_oss_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    layers = cfg["num_hidden_layers"]
+    return {
+        "num_local_experts": meta("expert_count"),
+        "num_experts_per_tok": meta("expert_used_count"),
+        "intermediate_size": meta("expert_feed_forward_length"),
+        "sliding_window": meta("attention.sliding_window"),
+        # llama.cpp's gpt-oss: every even layer slides (``set_swa_pattern(2)``)
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers or 0)],
+        **_yarn(meta, truncate=False),  # (gpt-oss's YaRN keeps the correction range unrounded)
+    }
+
+
+def _routed_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 and DeepSeek-V3's mixture of experts, as transformers names it."""
+    gating = meta("expert_gating_func", _SIGMOID_GATING)
+    if gating != _SIGMOID_GATING:
+        raise ValueError(
+            f"{file.name}: expert_gating_func {gating} (softmax routing, DeepSeek-V2) is not supported; "
+            f"only sigmoid ({_SIGMOID_GATING})"
+        )
+    nextn = meta("nextn_predict_layers", 0) or 0
+    return {
+        "num_hidden_layers": cfg["num_hidden_layers"] - nextn if cfg["num_hidden_layers"] else None,
+        "num_nextn_predict_layers": nextn,
+        "n_routed_experts": meta("expert_count"),
+        "num_experts_per_tok": meta("expert_used_count"),
+        "moe_intermediate_size": meta("expert_feed_forward_length"),
+        "n_shared_experts": meta("expert_shared_count", 0),
+        "first_k_dense_replace": meta("leading_dense_block_count", 0),
+        "routed_scaling_factor": meta("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+        "n_group": meta("expert_group_count", 1),
+        "topk_group": meta("expert_group_used_count", 1),
+    }
+
+
+def _glm4_moe_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**_routed_fields(file, meta, names, cfg), "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
+
+
+def _deepseek_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = meta("rope.dimension_count")
+    # (newer files: the MQA widths in key/value_length, the per-head ones in *_mla)
+    key = meta("attention.key_length_mla") or meta("attention.key_length")
+    value = meta("attention.value_length_mla") or meta("attention.value_length")
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    mscale = {"mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1} if log_mul else {}
+    out = {
+        **_routed_fields(file, meta, names, cfg),
+        "num_key_value_heads": cfg["num_attention_heads"],  # (the file's 1 is the latent's MQA view)
+        "partial_rotary_factor": 1.0,  # (the rope part is its own width, qk_rope_head_dim)
+        "kv_lora_rank": meta("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope if key and rope else None,
+        "v_head_dim": value,
+        "head_dim": rope,
+        "rope_interleave": True,
+        **_yarn(meta, **mscale),
+    }
+    if meta("attention.q_lora_rank"):  # (none: one query projection, ``attn_q``)
+        out["q_lora_rank"] = meta("attention.q_lora_rank")
+    return out
+
+
+def _interleave_gpt_oss_experts(tensors: Tensors, spec: ModelSpec, file: Path) -> Tensors:
+    """llama.cpp's separate gate/up expert tensors back into transformers' interleaved
+    ``gate_up_proj [experts, hidden, 2 * inter]`` (and its bias), ``down_proj`` transposed back."""
+    pending: dict[str, torch.Tensor] = {}
+    for source, name, tensor in tensors:
+        stem, _, kind = name.rpartition(".")
+        if stem.endswith(".mlp.experts.down_proj") and kind == "bias":
+            yield source, f"{stem}_bias", tensor
+            continue
+        if stem.endswith(".mlp.experts.down_proj"):
+            yield source, stem, tensor.transpose(1, 2)
+            continue
+        if not stem.endswith((".mlp.experts.gate_proj", ".mlp.experts.up_proj")):
+            yield source, name, tensor
+            continue
+        pending[name] = tensor
+        block = stem.rpartition(".")[0]
+        gate, up = pending.get(f"{block}.gate_proj.{kind}"), pending.get(f"{block}.up_proj.{kind}")
+        if gate is None or up is None:
+            continue
+        del pending[f"{block}.gate_proj.{kind}"], pending[f"{block}.up_proj.{kind}"]
+        if kind == "bias":  # [experts, inter] each -> [experts, 2 * inter], gate first in each pair
+            yield source, f"{block}.gate_up_proj_bias", torch.stack((gate, up), dim=-1).flatten(1)
+        else:  # [experts, inter, hidden] each -> [experts, hidden, 2 * inter]
+            yield source, f"{block}.gate_up_proj", torch.stack((gate, up), dim=-1).transpose(1, 2).flatten(2)
+    if pending:
+        raise ValueError(f"{file.name}: expert gate without its up tensor (or up without gate): {sorted(pending)}")
+
+
+def _merge_kv_b(tensors: Tensors, spec: ModelSpec, file: Path) -> Tensors:
+    """llama.cpp's ``attn_k_b`` (``[heads, rank, nope]``) and ``attn_v_b`` (``[heads, v, rank]``)
+    back into ``kv_b_proj`` ``[heads * (nope + v), rank]``."""
+    pending: dict[str, torch.Tensor] = {}
+    for source, name, tensor in tensors:
+        if not name.endswith((".self_attn.k_b_proj.weight", ".self_attn.v_b_proj.weight")):
+            yield source, name, tensor
+            continue
+        pending[name] = tensor
+        attn = name.rpartition(".")[0].rpartition(".")[0]  # model.layers.N.self_attn
+        k_name, v_name = f"{attn}.k_b_proj.weight", f"{attn}.v_b_proj.weight"
+        if k_name not in pending or v_name not in pending:
+            continue
+        k_b, v_b = pending.pop(k_name), pending.pop(v_name)
+        kv_b = torch.cat((k_b.transpose(1, 2), v_b), dim=1)
+        yield source, f"{attn}.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+    if pending:
+        raise ValueError(f"{file.name}: attn_k_b without attn_v_b (or the reverse): {sorted(pending)}")
+
+
+ARCHITECTURES: dict[str, GgufArch] = {
+    "smollm3": GgufArch("smollm3", _no_fields, _ATTENTION, permuted=True),
+    "gpt-oss": GgufArch(
+        "gpt_oss",
+        _gpt_oss_fields,
+        _GPT_OSS,
+        merge=_interleave_gpt_oss_experts,
+    ),
+    "glm4moe": GgufArch("glm4_moe", _glm4_moe_fields, _ROUTED, split_experts=True),
+    "deepseek2": GgufArch(
+        "deepseek_v3",
+        _deepseek_fields,
+        {**_MLA, "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj"},
+        split_experts=True,
+        merge=_merge_kv_b,
+    ),
+}
+_BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
+
+
+def for_model_type(model_type: str) -> GgufArch | None:
+    return _BY_MODEL_TYPE.get(model_type)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str] | None:
+    """The transformers names a GGUF tensor holds (``None`` for a name we do not know); a layer
+    past the decoder's (the multi-token-prediction ones) keeps its GGUF part, for the model to skip."""
+    from engine.models.gguf import _TOP_TENSORS
+
+    stem, _, kind = name.rpartition(".")
+    if not stem.startswith("blk."):
+        hf = _TOP_TENSORS.get(stem)
+        return None if hf is None else [f"{hf}.{kind}"]
+    _, layer, part = stem.split(".", 2)
+    prefix = f"model.layers.{layer}."
+    if int(layer) >= spec.num_layers:
+        return [f"{prefix}{part}.{kind}"]
+    if arch.split_experts and part in _ROUTED_EXPERTS:
+        return [f"{prefix}mlp.experts.{e}.{_ROUTED_EXPERTS[part]}.{kind}" for e in range(experts)]
+    hf = arch.layer_tensors.get(part)
+    if hf is None:
+        return None
+    if part == "attn_sinks":  # (a parameter without ``.weight`` in transformers)
+        return [f"{prefix}{hf}"]
+    if part == "exp_probs_b":  # ``e_score_correction_bias``
+        return [f"{prefix}{hf}_{kind}"]
+    return [f"{prefix}{hf}.{kind}"]
+
+
+def iter_tensors(arch: GgufArch, file: Path, spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]]) -> Tensors:
+    """(file name, transformers name, float32 tensor) for each dequantized GGUF tensor; a name
+    we do not know is passed through as the GGUF name, for the loader to refuse."""
+    experts = spec.moe.num_experts if spec.moe is not None else 0
+
+    def renamed() -> Tensors:
+        for gguf_name, weights in tensors:
+            names = _names(arch, gguf_name, spec, experts)
+            if arch.permuted and ".attn_q." in gguf_name:
+                weights = _unpermute(weights, spec.num_heads)
+            elif arch.permuted and ".attn_k." in gguf_name:
+                weights = _unpermute(weights, spec.num_kv_heads)
+            full = torch.from_numpy(np.array(weights, dtype=np.float32))
+            if names is None:
+                yield file.name, gguf_name, full
+            elif len(names) == 1:
+                yield file.name, names[0], full
+            else:
+                if full.shape[0] != len(names):
+                    raise ValueError(
+                        f"{file.name}: {gguf_name} stacks {full.shape[0]} experts, the metadata {len(names)}"
+                    )
+                for name, expert in zip(names, full, strict=True):
+                    yield file.name, name, expert
+
+    yield from renamed() if arch.merge is None else arch.merge(renamed(), spec, file)

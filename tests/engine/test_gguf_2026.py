@@ -1,0 +1,228 @@
+"""GGUF files of the 2026 architectures (SmolLM3, gpt-oss, GLM-4.5 MoE, DeepSeek-V3), written
+from tiny random checkpoints the way llama.cpp's ``convert_hf_to_gguf`` writes them (tensors
+renamed, permuted, split or stacked, MXFP4 experts; its metadata keys), loaded by us: greedy
+tokens are transformers' on the original checkpoint, in float32. A quantized file's checkpoint
+holds weights the quantization represents exactly (each weight once through it), so the file
+and the checkpoint are the same model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.reference import assert_greedy_match, greedy
+from tests.engine.test_gguf import PROMPTS, _permute, _stack_experts
+
+gguf = pytest.importorskip("gguf")
+
+
+def _round_trip(data: np.ndarray, qtype: Any) -> np.ndarray:
+    return gguf.dequantize(gguf.quantize(data, qtype), qtype).reshape(data.shape)
+
+
+def _gpt_oss_tensors(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """gpt-oss's converter: the interleaved gate_up split into gate and up (transposed to
+    ``[experts, inter, hidden]``), down transposed, the sinks as ``.weight``."""
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in weights.items():
+        data = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            out[stem + "gate_proj.weight"] = data[..., ::2].transpose(0, 2, 1).copy()
+            out[stem + "up_proj.weight"] = data[..., 1::2].transpose(0, 2, 1).copy()
+        elif name.endswith("experts.gate_up_proj_bias"):
+            stem = name.removesuffix("gate_up_proj_bias")
+            out[stem + "gate_proj.bias"], out[stem + "up_proj.bias"] = data[..., ::2].copy(), data[..., 1::2].copy()
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = data.transpose(0, 2, 1).copy()
+        elif name.endswith("experts.down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = data
+        elif name.endswith("sinks"):
+            out[name + ".weight"] = data
+        else:
+            out[name] = data
+    return out
+
+
+def _gpt_oss_mxfp4_checkpoint(checkpoint: Path) -> None:
+    """The experts' weights as MXFP4 holds them (blocks of 32 along the converter's rows)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for name, tensor in weights.items():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            data = tensor.numpy().transpose(0, 2, 1)  # (the converter's layout: blocks along hidden or inter)
+            weights[name] = torch.from_numpy(_round_trip(np.ascontiguousarray(data), mx).transpose(0, 2, 1).copy())
+    save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _mla_tensors(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+    """DeepSeek-V2/V3's converter: each ``kv_b_proj`` split per head into ``k_b`` (transposed)
+    and ``v_b`` for the absorbed decode; the correction bias as ``e_score_correction.bias``."""
+    out: dict[str, np.ndarray] = {}
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for name, tensor in weights.items():
+        if name.endswith("kv_b_proj.weight"):
+            kv_b = tensor.float().view(heads, nope + v, tensor.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
+            out[name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2).contiguous().numpy()
+            out[name.replace("kv_b_proj", "v_b_proj")] = v_b.contiguous().numpy()
+        else:
+            out[name] = tensor.float().numpy()
+    return out
+
+
+def _metadata(w: Any, cfg: dict, arch: str, layers: int) -> None:
+    """What llama.cpp's ``TextModel`` and the architecture's converter write."""
+    heads = cfg["num_attention_heads"]
+    rope = cfg["rope_parameters"]
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" else cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if arch == "deepseek2":
+        rank, rot = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        w.add_key_length(rank + rot)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rot)
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_kv_lora_rank(rank)
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_rope_dimension_count(rot)
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if "num_experts_per_tok" not in cfg:
+        return
+    w.add_expert_count(cfg.get("n_routed_experts") or cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "gpt-oss":
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        return
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if arch == "glm4moe":
+        w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+
+
+def write_gguf_2026(checkpoint: Path, out_dir: Path, arch: str, qtype: str = "F32") -> Path:
+    """``checkpoint`` as llama.cpp's converter writes ``arch``: 2-D and larger weights as
+    ``qtype`` (gpt-oss's experts MXFP4 whatever ``qtype``), norms and vectors F32."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    weights = _stack_experts(load_file(checkpoint / "model.safetensors"))
+    layers = cfg["num_hidden_layers"]
+    if arch == "glm4moe":  # (the multi-token-prediction layers count as blocks)
+        layers += cfg["num_nextn_predict_layers"]
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.TensorNameMap(arch_id, layers)
+    if arch == "gpt-oss":
+        tensors = _gpt_oss_tensors(weights)
+    elif arch == "deepseek2":
+        tensors = _mla_tensors(weights, cfg)
+    else:
+        tensors = {name: t.float().numpy() for name, t in weights.items()}
+    out_dir.mkdir(parents=True)
+    file = out_dir / "model.gguf"
+    w = gguf.GGUFWriter(str(file), arch)
+    _metadata(w, cfg, arch, layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, data in tensors.items():
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"gguf's TensorNameMap has no {arch} name for {name}"
+        if arch == "smollm3" and ".q_proj." in name:
+            data = _permute(data, cfg["num_attention_heads"])
+        elif arch == "smollm3" and ".k_proj." in name:
+            data = _permute(data, cfg["num_key_value_heads"])
+        q = gguf.GGMLQuantizationType.MXFP4 if "_exps.weight" in gguf_name and arch == "gpt-oss" else qt
+        if data.ndim >= 2 and q != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, gguf.quantize(data, q), raw_dtype=q)
+        else:
+            w.add_tensor(gguf_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for tok in checkpoint.glob("*"):
+        if tok.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(tok, out_dir / tok.name)
+    return file
+
+
+def _representable(checkpoint: str, out: Path, qtype: str, config: dict[str, Any]) -> Path:
+    """A copy of ``checkpoint`` with ``config`` set and its 2-D weights through ``qtype`` once."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    cfg = {**json.loads((out / "config.json").read_text()), **config}
+    (out / "config.json").write_text(json.dumps(cfg))
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qt != gguf.GGMLQuantizationType.F32:
+        weights = load_file(out / "model.safetensors")
+        for name, tensor in weights.items():
+            if tensor.ndim == 2:  # (gpt-oss's 3-D experts go through MXFP4 instead)
+                weights[name] = torch.from_numpy(_round_trip(tensor.numpy(), qt))
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# SmolLM3 as llama.cpp runs it (every 4th layer NoPE, no window): four layers, the last NoPE.
+_SMOLLM3 = {
+    "no_rope_layer_interval": 4,
+    "no_rope_layers": [1, 1, 1, 0],
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "layer_types": ["full_attention"] * 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "arch", "qtype", "build", "config"),
+    [
+        ("smollm3", "smollm3", "F16", {"num_layers": 4}, _SMOLLM3),
+        ("gpt_oss", "gpt-oss", "F32", {}, {}),
+        ("glm4_moe", "glm4moe", "Q8_0", {}, {}),
+        ("deepseek_v3", "deepseek2", "F32", {}, {}),
+    ],
+)
+def test_gguf_2026_matches_transformers_on_the_original(
+    family, arch, qtype, build, config, tiny_models, hf_reference, tmp_path, make_llm
+):
+    path = _representable(tiny_models(family, **build), tmp_path / "hf", qtype, config)
+    if family == "gpt_oss":
+        _gpt_oss_mxfp4_checkpoint(path)
+    file = write_gguf_2026(path, tmp_path / "m", arch, qtype)
+    llm = make_llm(str(file))
+    assert llm.engine.model_spec.model_type == family
+    hf = hf_reference(str(path))
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], greedy([12] * len(PROMPTS)))
+    for i, (ids, out) in enumerate(zip(PROMPTS, outs, strict=True)):
+        assert_greedy_match(out.token_ids, hf.greedy(ids, 12), f"{family}/{qtype} prompt {i}")
