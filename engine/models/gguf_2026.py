@@ -1,6 +1,7 @@
 """GGUF names and metadata of the 2026 architectures llama.cpp's format names: ``smollm3``,
-``gpt-oss``, ``glm4moe`` and ``deepseek2`` (DeepSeek-V3 and its descendants), as llama.cpp's
-``convert_hf_to_gguf`` writes them, mapped back to transformers' names and config.
+``gpt-oss``, ``glm4moe``, ``deepseek2`` (DeepSeek-V3 and its descendants), ``qwen35`` and
+``qwen35moe``, as llama.cpp's ``convert_hf_to_gguf`` writes them, mapped back to transformers'
+names and config.
 
 - SmolLM3: the Llama converter (Q/K rows permuted for llama.cpp's RoPE, undone by ``gguf``);
   the file says nothing of NoPE layers: llama.cpp assumes every 4th layer without RoPE, which
@@ -20,9 +21,14 @@
   back here (an older file's whole ``attn_kv_b`` is taken as it is); the key and value widths
   are ``key_length_mla``/``value_length_mla``; llama.cpp's RoPE turns neighbouring pairs, which
   is transformers' ``rope_interleave``. Softmax routing (DeepSeek-V2) is refused.
-
-Qwen3.5 (``qwen35``/``qwen35moe``) is not read: its linear-attention tensors are reordered per
-value head by the converter (``ssm_*``), not mapped here yet.
+- Qwen3.5 (``qwen35``, and ``qwen35moe`` with Qwen2-MoE's expert names): the linear-attention
+  layers' tensors as ``ssm_*``/``attn_qkv``/``attn_gate``, with the converter's changes
+  undone: ``ssm_a`` is ``-exp(A_log)``, the conv
+  kernel squeezed, every RMSNorm but the gated one stored as ``1 + weight``, and where there
+  are more value heads than key heads the value heads reordered from grouped by key head to
+  tiled (``_LinearAttentionVReorderBase``); which layers are full from
+  ``full_attention_interval``, the shapes from ``ssm_*`` keys. ``qwen3next`` (no native
+  forward pass) is refused.
 """
 
 from __future__ import annotations
@@ -88,6 +94,31 @@ _GPT_OSS = {
 }
 
 
+_QWEN35 = {
+    **_ATTENTION,
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt",  # (``.bias`` -> ``dt_bias``)
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+
+
+# Qwen3.5 MoE: Qwen2-MoE's router and gated shared expert beside the experts.
+_QWEN35_MOE = {
+    **_QWEN35,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+
+
 @dataclass(frozen=True)
 class GgufArch:
     """One architecture: its model_type, config from the metadata, and tensor names."""
@@ -99,6 +130,8 @@ class GgufArch:
     split_experts: bool = False
     permuted: bool = False  # Q/K rows permuted (llama.cpp's Llama converter)
     merge: Callable[[Tensors, ModelSpec, Path], Tensors] | None = None
+    # A tensor's values as transformers holds them (GGUF name, weights, spec), where the converter changed them.
+    transform: Callable[[str, np.ndarray, ModelSpec], np.ndarray] | None = None
 
 
 def _no_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +218,68 @@ def _deepseek_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any
     return out
 
 
+def _qwen35_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    layers, interval = cfg["num_hidden_layers"], meta("full_attention_interval", 4)
+    v_heads, inner = meta("ssm.time_step_rank"), meta("ssm.inner_size")
+    return {
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers or 0)
+        ],
+        "linear_conv_kernel_dim": meta("ssm.conv_kernel"),
+        "linear_key_head_dim": meta("ssm.state_size"),
+        "linear_num_key_heads": meta("ssm.group_count"),
+        "linear_num_value_heads": v_heads,
+        "linear_value_head_dim": inner // v_heads if inner and v_heads else None,
+    }
+
+
+def _qwen35_moe_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **_qwen35_fields(file, meta, names, cfg),
+        "num_experts": meta("expert_count"),
+        "num_experts_per_tok": meta("expert_used_count"),
+        "moe_intermediate_size": meta("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": meta("expert_shared_feed_forward_length", 0),
+        "intermediate_size": cfg["intermediate_size"] or meta("expert_feed_forward_length"),
+    }
+
+
+def _grouped_v_heads(w: np.ndarray, axis: int, k_heads: int, per_k: int, head_dim: int) -> np.ndarray:
+    """Value heads from llama.cpp's tiled order (``[k0 v0, k1 v0, ..., k0 v1, ...]``) back to
+    transformers' grouped by key head, along ``axis``."""
+    shape = list(w.shape)
+    tiled = w.reshape(*shape[:axis], per_k, k_heads, head_dim, *shape[axis + 1 :])
+    return np.swapaxes(tiled, axis, axis + 1).reshape(shape)
+
+
+def _qwen35_tensor(name: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    lin = spec.linear_attention
+    assert lin is not None  # (every qwen35 spec has its linear-attention shapes)
+    part = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+    if name.endswith("norm.weight") and part != "ssm_norm":
+        w = w - 1.0  # stored as ``1 + weight``
+    if part == "ssm_a":
+        w = np.log(-w)  # ``-exp(A_log)``
+    elif part == "ffn_gate_inp_shexp":
+        w = w.reshape(1, -1)  # the shared expert's gate: one row (llama.cpp may store a vector)
+    elif part == "ssm_conv1d":
+        w = w[:, None, :]  # (the converter squeezed transformers' [channels, 1, kernel])
+    per_k = lin.num_v_heads // lin.num_k_heads
+    if per_k == 1:
+        return w
+    k, v = lin.num_k_heads, lin.v_head_dim
+    if part in ("attn_qkv", "ssm_conv1d"):  # the value rows follow q and k
+        qk = 2 * k * lin.k_head_dim
+        return np.concatenate((w[:qk], _grouped_v_heads(w[qk:], 0, k, per_k, v)))
+    if part == "attn_gate":
+        return _grouped_v_heads(w, 0, k, per_k, v)
+    if part in ("ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt"):
+        return _grouped_v_heads(w, 0, k, per_k, 1)
+    if part == "ssm_out":
+        return _grouped_v_heads(w, 1, k, per_k, v)
+    return w
+
+
 def _interleave_gpt_oss_experts(tensors: Tensors, spec: ModelSpec, file: Path) -> Tensors:
     """llama.cpp's separate gate/up expert tensors back into transformers' interleaved
     ``gate_up_proj [experts, hidden, 2 * inter]`` (and its bias), ``down_proj`` transposed back."""
@@ -251,6 +346,10 @@ ARCHITECTURES: dict[str, GgufArch] = {
         merge=_merge_kv_b,
     ),
 }
+ARCHITECTURES["qwen35"] = GgufArch("qwen3_5_text", _qwen35_fields, _QWEN35, transform=_qwen35_tensor)
+ARCHITECTURES["qwen35moe"] = GgufArch(
+    "qwen3_5_moe_text", _qwen35_moe_fields, _QWEN35_MOE, split_experts=True, transform=_qwen35_tensor
+)
 _BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
 
@@ -268,6 +367,8 @@ def _names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str
     from engine.models.gguf import _TOP_TENSORS
 
     stem, _, kind = name.rpartition(".")
+    if name.startswith("blk.") and name.count(".") == 2:  # a tensor without a suffix (``ssm_a``)
+        stem, kind = name, ""
     if not stem.startswith("blk."):
         hf = _TOP_TENSORS.get(stem)
         return None if hf is None else [f"{hf}.{kind}"]
@@ -282,8 +383,10 @@ def _names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str
         return None
     if part == "attn_sinks":  # (a parameter without ``.weight`` in transformers)
         return [f"{prefix}{hf}"]
-    if part == "exp_probs_b":  # ``e_score_correction_bias``
+    if part in ("exp_probs_b", "ssm_dt"):  # ``e_score_correction_bias``, ``dt_bias``
         return [f"{prefix}{hf}_{kind}"]
+    if part == "ssm_a":  # (``A_log``: a parameter without ``.weight``)
+        return [f"{prefix}{hf}"]
     return [f"{prefix}{hf}.{kind}"]
 
 
@@ -295,6 +398,8 @@ def iter_tensors(arch: GgufArch, file: Path, spec: ModelSpec, tensors: Iterable[
     def renamed() -> Tensors:
         for gguf_name, weights in tensors:
             names = _names(arch, gguf_name, spec, experts)
+            if arch.transform is not None:
+                weights = arch.transform(gguf_name, weights, spec)
             if arch.permuted and ".attn_q." in gguf_name:
                 weights = _unpermute(weights, spec.num_heads)
             elif arch.permuted and ".attn_k." in gguf_name:

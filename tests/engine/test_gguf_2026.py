@@ -79,6 +79,42 @@ def _mla_tensors(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.nd
     return out
 
 
+def _tiled_v_heads(t: torch.Tensor, dim: int, cfg: dict, head_dim: int) -> torch.Tensor:
+    """The converter's ``_reorder_v_heads``: value heads grouped by key head -> tiled."""
+    k = cfg["linear_num_key_heads"]
+    per_k = cfg["linear_num_value_heads"] // k
+    shape = list(t.shape)
+    grouped = t.reshape(*shape[:dim], k, per_k, head_dim, *shape[dim + 1 :])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_tensors(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, np.ndarray]:
+    """Qwen3.5's converter (``Qwen3NextModel`` and ``_LinearAttentionVReorderBase``): value heads
+    tiled, ``A_log`` as ``-exp``, ``dt_bias`` as ``dt_proj.bias``, the conv kernel squeezed,
+    RMSNorms but the gated one as ``1 + weight``."""
+    out: dict[str, np.ndarray] = {}
+    v_dim, qk = cfg["linear_value_head_dim"], 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    for name, t in weights.items():
+        t = t.float()
+        if ".in_proj_qkv." in name or ".conv1d." in name:
+            t = t.squeeze() if ".conv1d." in name else t
+            t = torch.cat((t[:qk], _tiled_v_heads(t[qk:], 0, cfg, v_dim)))
+        elif ".in_proj_z." in name:
+            t = _tiled_v_heads(t, 0, cfg, v_dim)
+        elif ".in_proj_a." in name or ".in_proj_b." in name:
+            t = _tiled_v_heads(t, 0, cfg, 1)
+        elif name.endswith((".A_log", ".dt_bias")):
+            t = _tiled_v_heads(t[:, None], 0, cfg, 1)[:, 0]
+            t = -torch.exp(t) if name.endswith(".A_log") else t
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif ".out_proj." in name:
+            t = _tiled_v_heads(t, 1, cfg, v_dim)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        out[name] = t.contiguous().numpy()
+    return out
+
+
 def _metadata(w: Any, cfg: dict, arch: str, layers: int) -> None:
     """What llama.cpp's ``TextModel`` and the architecture's converter write."""
     heads = cfg["num_attention_heads"]
@@ -108,10 +144,21 @@ def _metadata(w: Any, cfg: dict, arch: str, layers: int) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch in ("qwen35", "qwen35moe"):
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(4)
     if "num_experts_per_tok" not in cfg:
         return
-    w.add_expert_count(cfg.get("n_routed_experts") or cfg["num_local_experts"])
+    w.add_expert_count(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen35moe":  # (Qwen2-MoE's converter)
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        return
     if arch == "gpt-oss":
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
         w.add_sliding_window(cfg["sliding_window"])
@@ -147,6 +194,8 @@ def write_gguf_2026(checkpoint: Path, out_dir: Path, arch: str, qtype: str = "F3
         tensors = _gpt_oss_tensors(weights)
     elif arch == "deepseek2":
         tensors = _mla_tensors(weights, cfg)
+    elif arch in ("qwen35", "qwen35moe"):
+        tensors = _qwen35_tensors(weights, cfg)
     else:
         tensors = {name: t.float().numpy() for name, t in weights.items()}
     out_dir.mkdir(parents=True)
@@ -184,6 +233,10 @@ def _representable(checkpoint: str, out: Path, qtype: str, config: dict[str, Any
     shutil.copytree(checkpoint, out)
     cfg = {**json.loads((out / "config.json").read_text()), **config}
     (out / "config.json").write_text(json.dumps(cfg))
+    # One end token, as a GGUF file holds (the Qwen families' generation config adds <|endoftext|>).
+    gen = out / "generation_config.json"
+    if gen.exists():
+        gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": cfg["eos_token_id"]}))
     qt = gguf.GGMLQuantizationType[qtype]
     if qt != gguf.GGMLQuantizationType.F32:
         weights = load_file(out / "model.safetensors")
@@ -211,6 +264,9 @@ _SMOLLM3 = {
         ("gpt_oss", "gpt-oss", "F32", {}, {}),
         ("glm4_moe", "glm4moe", "Q8_0", {}, {}),
         ("deepseek_v3", "deepseek2", "F32", {}, {}),
+        # three linear-attention layers (two value heads per key head: reordered), then a full one
+        ("qwen3_5", "qwen35", "F32", {"num_layers": 4}, {}),
+        ("qwen3_5_moe", "qwen35moe", "F32", {"num_layers": 4}, {}),
     ],
 )
 def test_gguf_2026_matches_transformers_on_the_original(
@@ -221,8 +277,25 @@ def test_gguf_2026_matches_transformers_on_the_original(
         _gpt_oss_mxfp4_checkpoint(path)
     file = write_gguf_2026(path, tmp_path / "m", arch, qtype)
     llm = make_llm(str(file))
-    assert llm.engine.model_spec.model_type == family
+    assert llm.engine.model_spec.model_type == json.loads((path / "config.json").read_text())["model_type"]
     hf = hf_reference(str(path))
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], greedy([12] * len(PROMPTS)))
     for i, (ids, out) in enumerate(zip(PROMPTS, outs, strict=True)):
         assert_greedy_match(out.token_ids, hf.greedy(ids, 12), f"{family}/{qtype} prompt {i}")
+
+
+def test_gguf_2026_refusals_name_the_problem(tmp_path):
+    """DeepSeek-V2's softmax routing and Qwen3-Next's architecture are refused at load, named."""
+    from engine.models.loader import check_checkpoint
+    from tests.engine.test_gguf import stub_gguf
+
+    def softmax_routing(w: Any) -> None:
+        w.add_block_count(1)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+
+    stub_gguf(tmp_path / "v2.gguf", "deepseek2", {"token_embd.weight": (4, 4)}, softmax_routing)
+    with pytest.raises(ValueError, match=r"v2\.gguf: expert_gating_func 1 \(softmax routing, DeepSeek-V2\)"):
+        check_checkpoint(tmp_path / "v2.gguf")
+    stub_gguf(tmp_path / "next.gguf", "qwen3next", {"token_embd.weight": (4, 4)}, lambda w: w.add_block_count(1))
+    with pytest.raises(ValueError, match=r"GGUF architecture 'qwen3next' is not supported"):
+        check_checkpoint(tmp_path / "next.gguf")
