@@ -382,7 +382,16 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.
 
 
 def load_tokenizer(file: Path) -> Any:
-    """transformers' tokenizer (chat template included) built from the file's vocabulary."""
+    """transformers' tokenizer (chat template included) built from the file's vocabulary.
+    transformers builds one only for the architectures its own GGUF loader knows (not
+    ``smollm3``, ``glm4moe``, ``deepseek2``, ``qwen35``...): for the others the model's
+    tokenizer files must sit beside the file."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except ValueError as exc:  # transformers: "GGUF model with architecture X is not supported yet."
+        raise ValueError(
+            f"{file.name}: transformers cannot build a tokenizer from this file's vocabulary ({exc}); "
+            "put the model's tokenizer files (tokenizer.json, tokenizer_config.json) beside it"
+        ) from None

@@ -285,8 +285,9 @@ def test_gguf_2026_matches_transformers_on_the_original(
 
 
 def test_gguf_2026_refusals_name_the_problem(tmp_path):
-    """DeepSeek-V2's softmax routing and Qwen3-Next's architecture are refused at load, named."""
-    from engine.models.loader import check_checkpoint
+    """DeepSeek-V2's softmax routing, Qwen3-Next's architecture and a file whose vocabulary
+    transformers cannot make a tokenizer of (with none beside it) are refused at load, named."""
+    from engine.models.loader import check_checkpoint, load_tokenizer
     from tests.engine.test_gguf import stub_gguf
 
     def softmax_routing(w: Any) -> None:
@@ -296,6 +297,11 @@ def test_gguf_2026_refusals_name_the_problem(tmp_path):
     stub_gguf(tmp_path / "v2.gguf", "deepseek2", {"token_embd.weight": (4, 4)}, softmax_routing)
     with pytest.raises(ValueError, match=r"v2\.gguf: expert_gating_func 1 \(softmax routing, DeepSeek-V2\)"):
         check_checkpoint(tmp_path / "v2.gguf")
+    # No tokenizer files beside a file whose vocabulary transformers cannot read: say what to do.
+    (tmp_path / "alone").mkdir()
+    stub_gguf(tmp_path / "alone" / "m.gguf", "deepseek2", {"token_embd.weight": (4, 4)}, lambda w: w.add_block_count(1))
+    with pytest.raises(ValueError, match=r"m\.gguf: transformers cannot build a tokenizer .* tokenizer files"):
+        load_tokenizer(tmp_path / "alone" / "m.gguf")
     stub_gguf(tmp_path / "next.gguf", "qwen3next", {"token_embd.weight": (4, 4)}, lambda w: w.add_block_count(1))
     with pytest.raises(ValueError, match=r"GGUF architecture 'qwen3next' is not supported"):
         check_checkpoint(tmp_path / "next.gguf")
