@@ -73,9 +73,9 @@ _ROUTED = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _ROUTED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# DeepSeek-V3's latent attention (``attn_q`` where there is no q_lora_rank: one projection).
 _MLA = {
     **_ROUTED,
-    "attn_q": "self_attn.q_proj",  # (no q_lora_rank: one projection)
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj",
@@ -92,8 +92,7 @@ _GPT_OSS = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-
-
+# Qwen3.5's linear-attention layers (its full ones are ``_ATTENTION``'s).
 _QWEN35 = {
     **_ATTENTION,
     "attn_qkv": "linear_attn.in_proj_qkv",
@@ -106,8 +105,6 @@ _QWEN35 = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
-
-
 # Qwen3.5 MoE: Qwen2-MoE's router and gated shared expert beside the experts.
 _QWEN35_MOE = {
     **_QWEN35,
@@ -130,7 +127,7 @@ class GgufArch:
     split_experts: bool = False
     permuted: bool = False  # Q/K rows permuted (llama.cpp's Llama converter)
     merge: Callable[[Tensors, ModelSpec, Path], Tensors] | None = None
-    # A tensor's values as transformers holds them (GGUF name, weights, spec), where the converter changed them.
+    # A tensor's values as transformers holds them (from its GGUF name, weights and the spec).
     transform: Callable[[str, np.ndarray, ModelSpec], np.ndarray] | None = None
 
 
@@ -345,11 +342,11 @@ ARCHITECTURES: dict[str, GgufArch] = {
         split_experts=True,
         merge=_merge_kv_b,
     ),
+    "qwen35": GgufArch("qwen3_5_text", _qwen35_fields, _QWEN35, transform=_qwen35_tensor),
+    "qwen35moe": GgufArch(
+        "qwen3_5_moe_text", _qwen35_moe_fields, _QWEN35_MOE, split_experts=True, transform=_qwen35_tensor
+    ),
 }
-ARCHITECTURES["qwen35"] = GgufArch("qwen3_5_text", _qwen35_fields, _QWEN35, transform=_qwen35_tensor)
-ARCHITECTURES["qwen35moe"] = GgufArch(
-    "qwen3_5_moe_text", _qwen35_moe_fields, _QWEN35_MOE, split_experts=True, transform=_qwen35_tensor
-)
 _BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
 
