@@ -29,6 +29,9 @@ names and config.
   tiled (``_LinearAttentionVReorderBase``); which layers are full from
   ``full_attention_interval``, the shapes from ``ssm_*`` keys. ``qwen3next`` (no native
   forward pass) is refused.
+
+Experts written fused (the converter's ``--fuse-gate-up-exps``: ``ffn_gate_up_exps``, gate
+rows then up rows) are split back into gate and up for every architecture here.
 """
 
 from __future__ import annotations
@@ -387,13 +390,25 @@ def _names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str
     return [f"{prefix}{hf}.{kind}"]
 
 
+def _unfused(tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The converter's ``--fuse-gate-up-exps`` stacks (``ffn_gate_up_exps``: gate rows, then up
+    rows) as the separate ``ffn_gate_exps`` and ``ffn_up_exps`` it writes by default."""
+    for name, w in tensors:
+        if ".ffn_gate_up_exps." not in name:
+            yield name, w
+            continue
+        half = w.shape[1] // 2
+        yield name.replace(".ffn_gate_up_exps.", ".ffn_gate_exps."), w[:, :half]
+        yield name.replace(".ffn_gate_up_exps.", ".ffn_up_exps."), w[:, half:]
+
+
 def iter_tensors(arch: GgufArch, file: Path, spec: ModelSpec, tensors: Iterable[tuple[str, np.ndarray]]) -> Tensors:
     """(file name, transformers name, float32 tensor) for each dequantized GGUF tensor; a name
     we do not know is passed through as the GGUF name, for the loader to refuse."""
     experts = spec.moe.num_experts if spec.moe is not None else 0
 
     def renamed() -> Tensors:
-        for gguf_name, weights in tensors:
+        for gguf_name, weights in _unfused(tensors):
             names = _names(arch, gguf_name, spec, experts)
             if arch.transform is not None:
                 weights = arch.transform(gguf_name, weights, spec)

@@ -178,9 +178,20 @@ def _metadata(w: Any, cfg: dict, arch: str, layers: int) -> None:
         w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
 
 
-def write_gguf_2026(checkpoint: Path, out_dir: Path, arch: str, qtype: str = "F32") -> Path:
+def _fused_gate_up(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The converter's ``--fuse-gate-up-exps``: each layer's stacked gate and up experts as one
+    ``gate_up_proj`` stack, gate rows first."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith("experts.gate_proj.weight")]:
+        up = name.replace("gate_proj", "up_proj")
+        out[name.replace("gate_proj", "gate_up_proj")] = np.concatenate((out.pop(name), out.pop(up)), axis=1)
+    return out
+
+
+def write_gguf_2026(checkpoint: Path, out_dir: Path, arch: str, qtype: str = "F32", fuse: bool = False) -> Path:
     """``checkpoint`` as llama.cpp's converter writes ``arch``: 2-D and larger weights as
-    ``qtype`` (gpt-oss's experts MXFP4 whatever ``qtype``), norms and vectors F32."""
+    ``qtype`` (gpt-oss's experts MXFP4 whatever ``qtype``), norms and vectors F32; ``fuse``
+    writes the experts' gate and up as one tensor."""
     from safetensors.torch import load_file
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -198,6 +209,8 @@ def write_gguf_2026(checkpoint: Path, out_dir: Path, arch: str, qtype: str = "F3
         tensors = _qwen35_tensors(weights, cfg)
     else:
         tensors = {name: t.float().numpy() for name, t in weights.items()}
+    if fuse:
+        tensors = _fused_gate_up(tensors)
     out_dir.mkdir(parents=True)
     file = out_dir / "model.gguf"
     w = gguf.GGUFWriter(str(file), arch)
@@ -266,16 +279,18 @@ _SMOLLM3 = {
         ("deepseek_v3", "deepseek2", "F32", {}, {}),
         # three linear-attention layers (two value heads per key head: reordered), then a full one
         ("qwen3_5", "qwen35", "F32", {"num_layers": 4}, {}),
-        ("qwen3_5_moe", "qwen35moe", "F32", {"num_layers": 4}, {}),
+        # with the experts' gate and up fused (ffn_gate_up_exps), as --fuse-gate-up-exps writes them
+        ("qwen3_5_moe", "qwen35moe", "F32-fused", {"num_layers": 4}, {}),
     ],
 )
 def test_gguf_2026_matches_transformers_on_the_original(
     family, arch, qtype, build, config, tiny_models, hf_reference, tmp_path, make_llm
 ):
+    qtype, fuse = qtype.removesuffix("-fused"), qtype.endswith("-fused")
     path = _representable(tiny_models(family, **build), tmp_path / "hf", qtype, config)
     if family == "gpt_oss":
         _gpt_oss_mxfp4_checkpoint(path)
-    file = write_gguf_2026(path, tmp_path / "m", arch, qtype)
+    file = write_gguf_2026(path, tmp_path / "m", arch, qtype, fuse)
     llm = make_llm(str(file))
     assert llm.engine.model_spec.model_type == json.loads((path / "config.json").read_text())["model_type"]
     hf = hf_reference(str(path))
