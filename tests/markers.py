@@ -79,6 +79,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_gguf.py::test_gguf_greedy_matches_transformers",
     "tests/engine/test_gguf.py::test_gguf_phi3_and_moe_match_transformers_on_the_original",
     "tests/engine/test_gguf.py::test_smollm2_chat_matches_transformers",
+    "tests/engine/test_gguf_2026.py::test_gguf_2026_matches_transformers_on_the_original",
     "tests/engine/test_glm4_moe.py::test_fused_kernel_path_matches_transformers",
     "tests/engine/test_glm4_moe.py::test_multi_token_prediction_layers_are_skipped",
     "tests/engine/test_glm4_moe.py::test_ngram_speculation_is_exact",

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.models import gguf_2026
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
 from engine.models.registry import model_class
@@ -46,6 +47,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    **{arch: a.model_type for arch, a in gguf_2026.ARCHITECTURES.items()},
 }
 # Whether the router's top-k weights are renormalised, where the file does not say
 # (``expert_weights_norm``): as llama.cpp runs each architecture.
@@ -145,7 +147,8 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
         return _field(reader, f"{arch}.{key}", default)
 
     model_type = GGUF_ARCHITECTURES[arch]
-    experts = meta("expert_count")
+    new_arch = gguf_2026.ARCHITECTURES.get(arch)
+    experts = meta("expert_count") if new_arch is None else None  # (those set their own MoE fields)
     if experts and arch == "llama":  # llama.cpp writes Mixtral as llama, with stacked expert tensors
         model_type = "mixtral"
     if experts and "blk.0.ffn_gate_exps.weight" not in names:
@@ -185,6 +188,8 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
         cfg.update(_gemma_fields(arch, file, meta, cfg))
     if experts:
         cfg.update(_moe_fields(arch, model_type, meta, names))
+    if new_arch is not None:
+        cfg.update(new_arch.config(file, meta, names, cfg))
     missing = sorted(k for k, v in cfg.items() if v is None)
     if missing:
         raise ValueError(f"{file.name}: GGUF metadata lacks {missing}")
@@ -341,6 +346,11 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.
     """(file name, transformers name, float32 tensor) for each tensor in the file; a name we
     do not know is passed through as the GGUF name, for the loader to refuse."""
     reader = _reader(file)
+    new_arch = gguf_2026.for_model_type(spec.model_type)
+    if new_arch is not None:
+        dequantized = ((t.name, _dequantize(t, file)) for t in reader.tensors)
+        yield from gguf_2026.iter_tensors(new_arch, file, spec, dequantized)
+        return
     experts = spec.moe.num_experts if spec.moe is not None else 0
     permuted = spec.model_type in ("llama", "mixtral")
     gemma = spec.model_type in GEMMA_MODEL_TYPES
@@ -372,7 +382,16 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.
 
 
 def load_tokenizer(file: Path) -> Any:
-    """transformers' tokenizer (chat template included) built from the file's vocabulary."""
+    """transformers' tokenizer (chat template included) built from the file's vocabulary.
+    transformers builds one only for the architectures its own GGUF loader knows (not
+    ``smollm3``, ``glm4moe``, ``deepseek2``, ``qwen35``...): for the others the model's
+    tokenizer files must sit beside the file."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except ValueError as exc:  # transformers: "GGUF model with architecture X is not supported yet."
+        raise ValueError(
+            f"{file.name}: transformers cannot build a tokenizer from this file's vocabulary ({exc}); "
+            "put the model's tokenizer files (tokenizer.json, tokenizer_config.json) beside it"
+        ) from None

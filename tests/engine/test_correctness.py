@@ -84,7 +84,7 @@ def test_batch_of_mixed_prompts_matches_transformers(family, tiny_models, hf_ref
     "family",
     [
         *("llama", "qwen3", "phi3-longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "glm4_moe"),
-        *("gemma4", "gpt_oss", "olmo3", "deepseek_v3", "gpt_neox", "granite"),
+        *("gemma4", "gemma4-moe", "gpt_oss", "smollm3", "olmo3", "deepseek_v3", "gpt_neox", "granite"),
     ],
 )
 def test_requests_joining_mid_flight(family, tiny_models, hf_reference):

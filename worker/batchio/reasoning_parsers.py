@@ -10,7 +10,10 @@ model's family and chat template (``choose_parser``):
 - ``harmony``: gpt-oss's channels. ``analysis`` is the reasoning, ``final`` the answer, and
   ``commentary`` messages addressed ``to=functions.NAME`` are tool calls (Hermes-shaped
   ``<tool_call>`` text is produced for them, so the chat tool reader takes them as any other).
-- ``gemma4``: Gemma 4's ``<|channel>thought\\n…<channel|>`` block in front of the answer.
+- ``gemma4``: Gemma 4's ``<|channel>thought\\n…<channel|>`` block in front of the answer; its
+  tool calls, ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`` as its chat template
+  writes them (keys bare, strings between ``<|"|>``), become Hermes-shaped ``<tool_call>`` text
+  as Harmony's do.
 
 A parser tells the engine what it needs (``delimiters``: the texts that open and close the
 thinking, for the thinking budget and for structured outputs that constrain the answer only;
@@ -92,11 +95,16 @@ class ThinkParser(ReasoningParser):
         return ReasoningSplit(thought.strip("\n") or None, answer.lstrip("\n"))
 
 
+# One Gemma 4 tool call as its chat template writes it: the name, then the arguments' braces.
+_GEMMA4_CALL = re.compile(r"<\|tool_call>call:([\w.\-]+)(\{.*?\})<tool_call\|>", re.DOTALL)
+
+
 class Gemma4Parser(ReasoningParser):
     name = "gemma4"
     delimiters = ("<|channel>thought", "<channel|>")
     keeps_special_tokens = True
-    _END_OF_TURN = ("<turn|>", "<end_of_turn>", "<eos>")
+    # (``<|tool_response>``: where the model stops after its calls to wait for their results)
+    _END_OF_TURN = ("<turn|>", "<end_of_turn>", "<eos>", "<|tool_response>")
 
     def split(self, text: str, *, opened_in_prompt: bool = False) -> ReasoningSplit:
         start, end = self.delimiters or ("", "")
@@ -106,11 +114,49 @@ class Gemma4Parser(ReasoningParser):
         if head.startswith(start):
             head, opened_in_prompt = head[len(start) :], True
         elif not opened_in_prompt:
-            return ReasoningSplit(None, text)
+            return ReasoningSplit(None, _gemma4_tool_calls(text))
         if end not in head:
             return ReasoningSplit(head.strip("\n") or None, "")
         thought, answer = head.split(end, 1)
-        return ReasoningSplit(thought.strip("\n") or None, answer.lstrip("\n"))
+        return ReasoningSplit(thought.strip("\n") or None, _gemma4_tool_calls(answer.lstrip("\n")))
+
+
+def _gemma4_tool_calls(text: str) -> str:
+    """Each complete Gemma 4 call whose arguments read as JSON, as Hermes ``<tool_call>`` text
+    (a call that does not read stays as the model wrote it, for the tool reader to leave as content)."""
+
+    def hermes(m: re.Match[str]) -> str:
+        args = gemma4_arguments(m[2])
+        if args is None:
+            return m[0]
+        return "<tool_call>" + json.dumps({"name": m[1], "arguments": args}, ensure_ascii=False) + "</tool_call>"
+
+    return _GEMMA4_CALL.sub(hermes, text)
+
+
+_GEMMA4_STRING = '<|"|>'
+_BARE_KEY = re.compile(r'([{,]\s*)([^\s{}\[\],:"]+)\s*:')
+_BARE_NONE = re.compile(r"(?<=[:\[,])\s*None\s*(?=[,}\]])")
+
+
+def gemma4_arguments(text: str) -> dict[str, Any] | None:
+    """Gemma 4's argument syntax (its template's ``format_argument``: keys bare, strings between
+    ``<|"|>``, booleans ``true``/``false``, numbers as they are, Python's ``None``) as a dict,
+    or None when it does not read."""
+    parts = text.split(_GEMMA4_STRING)
+    if len(parts) % 2 == 0:  # a string left open
+        return None
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2:
+            out.append(json.dumps(part, ensure_ascii=False))
+        else:
+            out.append(_BARE_NONE.sub("null", _BARE_KEY.sub(r'\1"\2":', part)))
+    try:
+        value = json.loads("".join(out))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # One Harmony message: an optional ``<|start|>role`` header, the channel (and recipient,

@@ -3,6 +3,8 @@ the family and template, and the Responses body read as the chat request it amou
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from worker.batchio.body_errors import InvalidRequest
@@ -73,6 +75,96 @@ def test_gemma4_thought_channel() -> None:
     assert parser.split("It is hot.") == ReasoningSplit(None, "It is hot.")
     assert parser.split("\nhot soup<channel|>Hot.", opened_in_prompt=True) == ReasoningSplit("hot soup", "Hot.")
     assert parser.keeps_special_tokens and parser.opened_in_prompt("<|turn>model\n<|channel>thought\n")
+
+
+# Gemma 4's chat template (google/gemma-4 ``chat_template.jinja``), verbatim: its argument macro
+# and how it writes an assistant turn's tool calls (the rest of the template left out).
+GEMMA4_CALLS_TEMPLATE = """
+{%- macro format_argument(argument, escape_keys=True) -%}
+    {%- if argument is string -%}
+        {{- '<|"|>' + argument + '<|"|>' -}}
+    {%- elif argument is boolean -%}
+        {{- 'true' if argument else 'false' -}}
+    {%- elif argument is mapping -%}
+        {{- '{' -}}
+        {%- set ns = namespace(found_first=false) -%}
+        {%- for key, value in argument | dictsort -%}
+            {%- if ns.found_first %},{% endif -%}
+            {%- set ns.found_first = true -%}
+            {%- if escape_keys -%}
+                {{- '<|"|>' + key + '<|"|>' -}}
+            {%- else -%}
+                {{- key -}}
+            {%- endif -%}
+            :{{- format_argument(value, escape_keys=escape_keys) -}}
+        {%- endfor -%}
+        {{- '}' -}}
+    {%- elif argument is sequence -%}
+        {{- '[' -}}
+        {%- for item in argument -%}
+            {{- format_argument(item, escape_keys=escape_keys) -}}
+            {%- if not loop.last %},{% endif -%}
+        {%- endfor -%}
+        {{- ']' -}}
+    {%- else -%}
+        {{- argument -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- for message in messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+        {{- '<|turn>' + role + '\\n' }}
+
+            {%- if message['tool_calls'] -%}
+                {%- for tool_call in message['tool_calls'] -%}
+                    {%- set function = tool_call['function'] -%}
+                    {{- '<|tool_call>call:' + function['name'] + '{' -}}
+                    {%- if function['arguments'] is mapping -%}
+                        {%- set ns_args = namespace(found_first=false) -%}
+                        {%- for key, value in function['arguments'] | dictsort -%}
+                            {%- if ns_args.found_first %},{% endif -%}
+                            {%- set ns_args.found_first = true -%}
+                            {{- key -}}:{{- format_argument(value, escape_keys=False) -}}
+                        {%- endfor -%}
+                    {%- elif function['arguments'] is string -%}
+                        {{- function['arguments'] -}}
+                    {%- endif -%}
+                    {{- '}<tool_call|>' -}}
+                {%- endfor -%}
+            {%- endif -%}
+            {%- if message['content'] is string -%}{{- message['content'] -}}{%- endif -%}
+{%- endfor -%}
+"""
+
+
+def test_gemma4_tool_calls_as_its_template_writes_them() -> None:
+    """An assistant turn with calls rendered by Gemma 4's own template (strings with quotes,
+    commas and colons, numbers, booleans, nested objects and lists), read back as the model
+    would write it (stopping at ``<|tool_response>``): the same calls, in order, and the text
+    before them as content; a call cut short stays text."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    calls = [
+        ("get_weather", {"city": 'Paris, "FR": centre', "days": 3, "metric": True}),
+        ("search", {"query": "soup", "filters": {"max_price": 12.5, "tags": ["hot", "vegan"]}, "page": None}),
+    ]
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls],
+    }
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    rendered = env.from_string(GEMMA4_CALLS_TEMPLATE).render(messages=[message])
+    output = "Let me look." + rendered.removeprefix("<|turn>model\n") + "<|tool_response>"
+    assert output.count("<|tool_call>call:") == 2 and '<|"|>' in output
+    split = Gemma4Parser().split(output)
+    content, found = parse_tool_calls(split.content, ["get_weather", "search"])
+    assert content == "Let me look."
+    assert [(name, json.loads(args)) for name, args in found] == calls
+    thought = "<|channel>thought\nThe user wants weather.<channel|>" + output
+    assert Gemma4Parser().split(thought).reasoning == "The user wants weather."
+    assert parse_tool_calls(Gemma4Parser().split(thought).content, ["get_weather", "search"])[1] == found
+    cut = '<|tool_call>call:get_weather{city:<|"|>Par'
+    assert Gemma4Parser().split(cut) == ReasoningSplit(None, cut)
 
 
 def test_effort_is_refused_where_the_family_has_none() -> None:
