@@ -93,6 +93,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_prefix_caching.py::test_eviction_under_memory_pressure_keeps_outputs_exact",
     "tests/engine/test_fp8_kv_cache.py::test_fp8_kv_cache_logprobs_stay_within_the_bound",
     "tests/engine/test_gpt_oss_mxfp4.py::test_transformers_dequantizes_the_blocks_we_wrote",
+    "tests/engine/test_gpt_oss_mxfp4.py::test_experts_kept_in_mxfp4_on_the_fused_kernel",
     "tests/engine/test_gpt_oss_mxfp4.py::test_released_checkpoint_matches_transformers",
     "tests/engine/test_gpt_oss_mxfp4.py::test_preemption_chunked_prefill_and_prefix_caching",
     "tests/engine/test_gpt_oss_mxfp4.py::test_two_ranks_split_the_dequantized_experts",
