@@ -132,6 +132,7 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_triton_backend.py::test_prefill_over_a_cached_prefix",
     "tests/kernels/test_quant_gemm.py::test_quant_gemm_kernels_compile_for_gpu_without_spills",
     "tests/kernels/test_fused_moe.py::test_clamped_swiglu_with_biases_matches_reference",
+    "tests/kernels/test_fused_moe.py::test_gpt_oss_variants_compile_for_gpu_without_spills",
     "tests/kernels/test_fused_moe.py::test_matches_reference",
     "tests/kernels/test_fused_moe.py::test_mxfp4_weights_dequantized_in_the_k_loop",
     "tests/kernels/test_paged_attention_decode.py::test_paged_attention_decode_like",

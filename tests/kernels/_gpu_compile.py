@@ -272,11 +272,6 @@ def main():
     ]:
         for arch in (90, 80):
             results.extend(moe(dt, arch, tokens, top_k, experts))
-    # gpt-oss-20b's experts (32, four a token), decode and prefill tiles, bf16 and MXFP4.
-    for variant in ("gpt_oss", "gpt_oss_mxfp4"):
-        for tokens in (8, 4096):
-            for arch in (90, 80):
-                results.extend(moe("bf16", arch, tokens, 4, 32, variant))
     # (dtype, group, head_dim, max_query_len, splits, archs)
     configs = [
         ("bf16", 4, 128, 1, 1, (90, 80)),  # Llama-3-8B decode

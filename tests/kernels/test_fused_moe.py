@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -199,3 +205,29 @@ def test_mxfp4_weights_dequantized_in_the_k_loop(dtype, block_k):
     dense13, dense2 = w13.dequantize(dtype), w2.dequantize(dtype)
     want = ref.fused_moe(x, dense13, dense2, weights, ids, activation=SWIGLU, b13=b13, b2=b2)
     torch.testing.assert_close(got.cpu(), want.cpu(), **TOL[dtype])
+
+
+def test_gpt_oss_variants_compile_for_gpu_without_spills():
+    """The clamped-SwiGLU and MXFP4 variants, compiled ahead of time for sm_90 and sm_80 in a
+    subprocess (``_gpu_compile_gpt_oss_moe.py``; the SiLU ones are in ``test_gpu_compile``)."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not available")
+    script = Path(__file__).resolve().parent / "_gpu_compile_gpt_oss_moe.py"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["kernel"], r["variant"], r["arch"], r["config"][0]) for r in results} == {
+        (f"fused_moe/{k}", v, arch, bm)
+        for k in ("gate_up", "down")
+        for v in ("gpt_oss", "gpt_oss_mxfp4")
+        for arch in (90, 80)
+        for bm in (16, 64)
+    }
+    for r in results:
+        assert r["shared"] <= 100 * 1024, r
+        if r["spill"] is not None:
+            assert r["spill"] == 0, f"register spills: {r}"

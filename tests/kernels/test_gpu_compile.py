@@ -47,10 +47,6 @@ def test_kernels_compile_for_gpu_without_spills():
             assert r["spill"] == 0, f"register spills: {r}"
     moe = [r for r in results if r["kernel"].startswith("fused_moe/")]
     assert {r["config"][0] for r in moe} == {16, 64}  # decode and prefill tiles both compiled
-    # gpt-oss's experts too, bf16 and MXFP4, on both archs
-    assert {(r["variant"], r["arch"]) for r in moe if r["variant"] != "silu"} == {
-        (v, a) for v in ("gpt_oss", "gpt_oss_mxfp4") for a in (90, 80)
-    }
     for r in moe:
         assert r["shared"] <= 100 * 1024, r
         if r["spill"] is not None:
