@@ -155,7 +155,7 @@ def test_clamped_swiglu_with_biases_matches_reference(dtype):
     assert (gate_up[:, ::2] > SWIGLU.limit).any() and (gate_up[:, 1::2].abs() > SWIGLU.limit).any()
     got = fused_moe(x, w13, w2, weights, ids, tiles=_small_tiles(), activation=SWIGLU, b13=b13, b2=b2)
     cpu = [t.cpu() for t in (x, w13, w2, weights, ids)]
-    want = ref.fused_moe(*cpu, activation=SWIGLU, b13=b13.cpu(), b2=b2.cpu())
+    want = ref.fused_moe(cpu[0], cpu[1], cpu[2], cpu[3], cpu[4], activation=SWIGLU, b13=b13.cpu(), b2=b2.cpu())
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
     # The oracle computes what transformers' gpt-oss experts do, one token at a time.
     for t in range(x.shape[0]):
