@@ -27,6 +27,8 @@ a model gives transformers' outputs through either the reference or the Triton k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .gated_delta import (  # noqa: F401 - a hybrid model's linear attention, re-exported
@@ -123,27 +125,87 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (act.float() * up.float()).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation over interleaved gate/up columns (gate ``2 * j``, up
+    ``2 * j + 1``): the gate clamped above at ``limit``, up to ``±limit``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``. Each operation rounds to the activation
+    dtype, as transformers computes it."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+# e2m1 (FP4: sign, two exponent bits, one mantissa bit), by code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """Experts' weights ``[experts, rows, cols]`` (outputs, inputs) in OCP MXFP4, as gpt-oss
+    ships them: ``blocks`` uint8 ``[experts, rows, cols / 2]``, two e2m1 codes a byte (the
+    lower-indexed input in the low nibble); ``scales`` uint8 ``[experts, rows, cols / 32]``,
+    each group of 32 inputs' power of two biased by 127 (e8m0). 4.25 bits a weight."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, rows, half = self.blocks.shape
+        return experts, rows, 2 * half
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[experts, rows, cols]``: each code's value times its group's ``2 ** (scale - 127)``."""
+        table = torch.tensor(E2M1_VALUES, device=self.blocks.device)
+        codes = torch.stack((self.blocks & 0xF, self.blocks >> 4), dim=-1).long()
+        values = table[codes].reshape(*self.blocks.shape[:-1], -1, 32)
+        scaled = values * torch.exp2(self.scales.float() - 127).unsqueeze(-1)
+        return scaled.reshape(self.shape).to(dtype)
+
+
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Mxfp4Weight,
+    w2: torch.Tensor | Mxfp4Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    activation: ClampedSwiGLU | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture-of-experts feed-forward: each token's routing-weighted sum of its top-k experts'
-    SiLU-gated MLPs. ``x [tokens, hidden]``; ``w13 [experts, 2 * inter, hidden]`` (gate rows
-    then up rows); ``w2 [experts, hidden, inter]``; ``topk_weights``/``topk_ids [tokens, k]``.
+    gated MLPs. ``x [tokens, hidden]``; ``w13 [experts, 2 * inter, hidden]`` (gate rows then
+    up rows for SiLU, interleaved for ``ClampedSwiGLU``); ``w2 [experts, hidden, inter]``;
+    either may be an ``Mxfp4Weight`` of that shape; ``b13 [experts, 2 * inter]`` and
+    ``b2 [experts, hidden]`` optional biases; ``topk_weights``/``topk_ids [tokens, k]``.
 
-    Numerics, shared with the Triton kernel: each projection's output rounds to ``x.dtype``;
-    SiLU-and-mul as ``silu_and_mul``; the down output times its routing weight (in the
-    weight's dtype, e.g. float32) rounds to ``x.dtype`` before the sum over the top-k."""
+    Numerics, shared with the Triton kernel: each projection's output rounds to ``x.dtype``,
+    then its bias is added (rounding again); the activation as ``silu_and_mul`` or
+    ``ClampedSwiGLU``; the down output times its routing weight (in the weight's dtype, e.g.
+    float32) rounds to ``x.dtype`` before the sum over the top-k."""
+    if isinstance(w13, Mxfp4Weight):
+        w13 = w13.dequantize(x.dtype)
+    if isinstance(w2, Mxfp4Weight):
+        w2 = w2.dequantize(x.dtype)
+    act_and_mul = activation or silu_and_mul
     tokens, k = topk_ids.shape
     per_choice = torch.zeros((tokens, k, x.shape[1]), dtype=x.dtype, device=x.device)
     for expert in range(w13.shape[0]):
         token, choice = torch.nonzero(topk_ids == expert, as_tuple=True)
         if token.numel() == 0:
             continue
-        h = silu_and_mul(x[token] @ w13[expert].T) @ w2[expert].T
+        gate_up = x[token] @ w13[expert].T
+        if b13 is not None:
+            gate_up = gate_up + b13[expert]
+        h = act_and_mul(gate_up) @ w2[expert].T
+        if b2 is not None:
+            h = h + b2[expert]
         per_choice[token, choice] = (h * topk_weights[token, choice].unsqueeze(-1)).to(x.dtype)
     return per_choice.sum(dim=1)
 

@@ -13,12 +13,17 @@ transformers' ``modeling_gpt_oss``:
 
 The checkpoint is the unquantized one transformers' ``save_pretrained`` writes: experts stacked
 as ``gate_up_proj [experts, hidden, 2 * inter]`` and ``down_proj [experts, inter, hidden]``,
-kept in that layout here so the loader copies them as they are. The experts run on the
-token-sorted torch path on every device (the fused Triton MoE kernel has no biases nor this
-activation), so the decode is not captured in CUDA graphs.
+kept in that layout here so the loader copies them as they are. On CUDA the experts run on the
+fused Triton MoE kernel (``kernels.fused_moe``, its clamped-SwiGLU activation with biases,
+reading the weights through transposed views), so the decode is captured in CUDA graphs; a
+released checkpoint's MXFP4 experts stay 4-bit there (``engine.quantization.kept``), decoded
+inside the kernel's K loop. Elsewhere they run on the token-sorted torch path.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,8 @@ from engine.distributed import parallel_state
 from engine.distributed.sharding import Shard, WeightSlot, split
 from engine.models.llama import Attention, DecoderLayer, FeedForward, LlamaForCausalLM, RMSNorm, _param
 from engine.models.model_config import ModelSpec
+from engine.models.moe import SparseMoE, fused_moe_kernel
+from kernels.reference import ClampedSwiGLU, Mxfp4Weight
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -57,11 +64,11 @@ class GptOssAttention(Attention):
         return self.tp.row_parallel_linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation over interleaved ``[..., 2 * inter]`` gate/up columns."""
-    gate = gate_up[..., ::2].clamp(max=limit)
-    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+def _kernel_weight(weight: torch.Tensor) -> torch.Tensor | Mxfp4Weight:
+    """Stacked experts' weight ``[experts, in, out]`` as the fused kernel reads it: kept MXFP4,
+    or a transposed view (``[experts, out, in]``, no copy)."""
+    kept = getattr(weight, "kernel", None)
+    return kept if isinstance(kept, Mxfp4Weight) else weight.transpose(1, 2)
 
 
 class GptOssExperts(FeedForward):
@@ -83,6 +90,17 @@ class GptOssExperts(FeedForward):
         self.gate_up_bias = _param(e, 2 * inter, dtype=dtype, device=device)
         self.down = _param(e, inter, hidden, dtype=dtype, device=device)
         self.down_bias = _param(e, hidden, dtype=dtype, device=device)
+        # The experts' path, as ``SparseMoE`` picks it (the tests force it with that class's switch).
+        use_fused = SparseMoE.use_fused_kernel
+        if use_fused is None:
+            use_fused = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.fused = use_fused
+        self.fused_moe = fused_moe_kernel(torch.device(device)) if use_fused else None
+        self.activation = ClampedSwiGLU(self.alpha, self.limit)
+        # The weights its forward hands to the fused kernel: a quantized checkpoint's may stay so.
+        self.quantized_experts = ("gate_up", "down") if use_fused else ()
+        # The down bias is whole on every rank: added on one, so the sum over the ranks has it once.
+        self.no_down_bias = torch.zeros(e, hidden, dtype=dtype, device=device) if self.tp.rank else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's (weights, expert ids): the top-k router logits, softmaxed among themselves."""
@@ -90,6 +108,8 @@ class GptOssExperts(FeedForward):
         return torch.softmax(top, dim=1, dtype=top.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_moe is not None:
+            return self.forward_fused(x, self.fused_moe)
         weights, ids = self.route(x)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)
@@ -106,11 +126,26 @@ class GptOssExperts(FeedForward):
                 continue
             rows = slice(start, start + count)
             gate_up = sorted_x[rows] @ self.gate_up[expert] + self.gate_up_bias[expert]
-            h = clamped_swiglu(gate_up, self.alpha, self.limit) @ self.down[expert]
+            h = self.activation(gate_up) @ self.down[expert]
             out[rows] = h + self.down_bias[expert] if with_bias else h
             start += count
         weighted = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, token_of, weighted))
+
+    def forward_fused(self, x: torch.Tensor, fused_moe: Callable[..., torch.Tensor]) -> torch.Tensor:
+        weights, ids = self.route(x)
+        down_bias = self.down_bias if self.no_down_bias is None else self.no_down_bias
+        out = fused_moe(
+            x,
+            _kernel_weight(self.gate_up),
+            _kernel_weight(self.down),
+            weights,
+            ids,
+            activation=self.activation,
+            b13=self.gate_up_bias,
+            b2=down_bias,
+        )
+        return self.tp.all_reduce(out)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         e, start, inter = self.num_experts, self.inter_start, self.intermediate_size
@@ -139,12 +174,12 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    # The experts' token-sorted path reads each expert's token count to the host.
-    supports_cuda_graphs = False
-
     def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec, max_len, dtype, device)
         self.norm = GptOssRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        # The experts' token-sorted path reads each expert's token count to the host: only the
+        # fused kernel's decode can be captured in a CUDA graph.
+        self.supports_cuda_graphs = all(m.fused for m in self.modules() if isinstance(m, GptOssExperts))
 
     def make_layer(self, index: int, dtype: torch.dtype, device: torch.device) -> DecoderLayer:
         return GptOssDecoderLayer(self.spec, dtype, device)

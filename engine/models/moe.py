@@ -98,9 +98,9 @@ def moe_naive(
 MoEExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _fused_kernel(device: torch.device) -> MoEExperts:
-    """The Triton kernel; off CUDA (tests) it runs in Triton's interpreter, chosen here if
-    triton has not been imported yet."""
+def fused_moe_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The Triton kernel (``kernels.fused_moe.fused_moe``); off CUDA (tests) it runs in Triton's
+    interpreter, chosen here if triton has not been imported yet."""
     if device.type != "cuda" and "triton" not in sys.modules and not is_interpreting():
         enable_interpreter()
     # Imported here: it imports Triton, which is optional and must follow the interpreter choice.
@@ -141,7 +141,7 @@ class SparseMoE(FeedForward):
         use_fused = self.use_fused_kernel
         if use_fused is None:
             use_fused = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
-        self.experts: MoEExperts = _fused_kernel(torch.device(device)) if use_fused else moe_sorted
+        self.experts: MoEExperts = fused_moe_kernel(torch.device(device)) if use_fused else moe_sorted
         self.fused = use_fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.quantization.kernel_weights import KernelWeight
+from kernels.reference import Mxfp4Weight
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class QuantScheme(ABC):
     def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> KernelWeight | None:
         """The parts in a GEMM kernel's layout, kept quantized, or ``None`` where no kernel
         serves them (the weight is then dequantized)."""
+        return None
+
+    def expert_weight(self, parts: Mapping[str, torch.Tensor]) -> Mxfp4Weight | None:
+        """Stacked experts' parts in the fused MoE kernel's layout, kept quantized, or ``None``."""
         return None
 
 

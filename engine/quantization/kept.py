@@ -4,11 +4,14 @@ Where the kernels run (CUDA, or the Triton interpreter when ``KEEP_ON_CPU`` forc
 tests) and the model has one rank, a layer's ``quantized_linears`` (the weights its forward
 only passes to ``F.linear``) whose every piece a kernel serves become a
 ``QuantizedLinearWeight``: a tensor of the weight's shape and dtype with no storage of its
-own, whose ``F.linear`` calls the kernel. The forward passes are unchanged. Elsewhere (the
-CPU, tensor parallelism, a piece no kernel serves) the weight stays dequantized, except that a
-W8A8 weight (its layer quantizes its input too) is kept on the CPU as well, where it emulates
-the arithmetic (``engine.quantization.w8a8``); under tensor parallelism it is dequantized and
-its activations stay in full precision.
+own, whose ``F.linear`` calls the kernel. The forward passes are unchanged. Likewise a layer's
+``quantized_experts`` (stacked experts' weights in transformers' ``[experts, in, out]``, which
+its forward hands to the fused MoE kernel) become a ``KeptExpertsWeight`` where the format has an
+experts' layout of the kernel (MXFP4). Elsewhere (the CPU, tensor parallelism, a piece no
+kernel serves) the weight stays dequantized, except that a W8A8 weight (its layer quantizes its
+input too) is kept on the CPU as well, where it emulates the arithmetic
+(``engine.quantization.w8a8``); under tensor parallelism it is dequantized and its activations
+stay in full precision.
 
 Loading still fills the dequantized weight first (the fallback should a piece not stack), so
 the peak while loading is the unquantized model's; once loaded the model holds the packed
@@ -25,6 +28,7 @@ from torch import nn
 
 from engine.distributed import parallel_state
 from engine.quantization.kernel_weights import KernelWeight, concat
+from kernels.reference import Mxfp4Weight
 
 # Keep weights quantized on CPU too, run in Triton's interpreter (slow: for tests).
 KEEP_ON_CPU = False
@@ -58,6 +62,27 @@ class QuantizedLinearWeight(torch.Tensor):
         raise RuntimeError(f"a weight kept quantized for its kernel serves F.linear only, not {func}")
 
 
+class KeptExpertsWeight(torch.Tensor):
+    """Stacked experts' weights ``[experts, in, out]`` held as the fused MoE kernel's
+    ``Mxfp4Weight`` (``[experts, out, in]`` packed): only that kernel reads them (``kernel``)."""
+
+    kernel: Mxfp4Weight
+
+    @staticmethod
+    def __new__(cls, kernel: Mxfp4Weight, dtype: torch.dtype, device: torch.device) -> KeptExpertsWeight:
+        experts, rows, cols = kernel.shape
+        tensor = torch.Tensor._make_wrapper_subclass(cls, (experts, cols, rows), dtype=dtype, device=device)
+        tensor.kernel = kernel
+        return tensor
+
+    def __repr__(self, **_: Any) -> str:  # type: ignore[override]  # (torch passes tensor_contents)
+        return f"KeptExpertsWeight(Mxfp4Weight, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise RuntimeError(f"experts' weights kept quantized serve the fused MoE kernel only, not {func}")
+
+
 def _linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     out = weight.kernel.matmul(x.reshape(-1, x.shape[-1]))
     out = out.reshape(*x.shape[:-1], out.shape[-1])
@@ -83,16 +108,27 @@ class KeptWeights:
         self.device = device
         self.places: dict[int, tuple[nn.Module, str]] = {}
         self.keeps_all = keeps_quantized(device)
+        self.expert_places: dict[int, tuple[nn.Module, str]] = {}
         if parallel_state.current().world_size == 1:
             for module in model.modules():
-                for name in getattr(module, "quantized_linears", ()):
-                    param = module._parameters.get(name)
-                    if param is not None:
-                        self.places[id(param)] = (module, name)
+                for places, attr in ((self.places, "quantized_linears"), (self.expert_places, "quantized_experts")):
+                    for name in getattr(module, attr, ()):
+                        param = module._parameters.get(name)
+                        if param is not None:
+                            places[id(param)] = (module, name)
         self.pieces: dict[int, list[tuple[int, KernelWeight | None]]] = {}
+        self.experts: dict[int, Mxfp4Weight] = {}
 
     def offer(self, target: torch.Tensor, offset: int, read: object) -> None:
         """The loader read ``read`` into ``target`` from row ``offset``."""
+        if id(target) in self.expert_places:
+            if not self.keeps_all:
+                return
+            expert_weight = getattr(read, "expert_weight", None)
+            kernel = expert_weight() if expert_weight is not None and offset == 0 else None
+            if kernel is not None and kernel.shape == (target.shape[0], target.shape[2], target.shape[1]):
+                self.experts[id(target)] = Mxfp4Weight(kernel.blocks.to(self.device), kernel.scales.to(self.device))
+            return
         if id(target) not in self.places:
             return
         if not self.keeps_all and not getattr(read, "quantizes_activations", False):
@@ -113,6 +149,12 @@ class KeptWeights:
                 continue
             del module._parameters[name]
             setattr(module, name, QuantizedLinearWeight(kernel, target.dtype, target.device))
+            kept += 1
+        for key, experts in self.experts.items():
+            module, name = self.expert_places[key]
+            target = module._parameters.pop(name)
+            assert target is not None
+            setattr(module, name, KeptExpertsWeight(experts, target.dtype, target.device))
             kept += 1
         return kept
 

@@ -13,6 +13,7 @@ import torch
 from engine.distributed.sharding import Shard
 from engine.quantization.base import QuantScheme
 from engine.quantization.kernel_weights import KernelWeight
+from kernels.reference import Mxfp4Weight
 
 # Reads a checkpoint tensor, or only the given ``Shard`` of it (``engine.models.loader``).
 Reader = Callable[[Shard | None], torch.Tensor]
@@ -49,7 +50,8 @@ def dequantized(
 
 class QuantizedReader:
     """A quantized tensor's reader: called, its dequantized tensor (or shard of it);
-    ``kernel_weight()``, its parts in a GEMM kernel's layout, or ``None``."""
+    ``kernel_weight()``, its parts in a GEMM kernel's layout, or ``None``; ``expert_weight()``,
+    stacked experts' parts in the fused MoE kernel's, or ``None``."""
 
     def __init__(self, scheme: QuantScheme, parts: Mapping[str, str], get: Callable[[str], torch.Tensor]) -> None:
         self.scheme, self.parts, self.get = scheme, parts, get
@@ -61,6 +63,9 @@ class QuantizedReader:
 
     def kernel_weight(self) -> KernelWeight | None:
         return self.scheme.kernel_weight(self._read())
+
+    def expert_weight(self) -> Mxfp4Weight | None:
+        return self.scheme.expert_weight(self._read())
 
     def _read(self) -> dict[str, torch.Tensor]:
         return {role: self.get(name) for role, name in self.parts.items()}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix
+from kernels.reference import Mxfp4Weight
 
 # e2m1: sign, two exponent bits, one mantissa bit.
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -28,6 +29,19 @@ class Mxfp4Scheme(QuantScheme):
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return dequantize_mxfp4(parts["blocks"], parts["scales"])
+
+    def expert_weight(self, parts: Mapping[str, torch.Tensor]) -> Mxfp4Weight | None:
+        """Experts' ``[experts, rows, groups, 16]`` blocks as the fused MoE kernel reads them
+        (``[experts, rows, in / 2]`` bytes, the scales as they are): no bytes change."""
+        blocks, scales = parts["blocks"], parts["scales"]
+        if (
+            blocks.dim() != 4
+            or blocks.shape[-1] != 16
+            or blocks.dtype != torch.uint8
+            or blocks.shape[:-1] != scales.shape
+        ):
+            return None
+        return Mxfp4Weight(blocks.flatten(-2).contiguous(), scales.contiguous())
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -95,3 +95,26 @@ def test_a_hub_download_skips_the_copies_in_other_formats(monkeypatch, tmp_path)
     assert list(filter_repo_objects(files, **patterns)) == files[:10]
     # (a sentence-transformers checkpoint's pooling folder is still fetched)
     assert list(filter_repo_objects(["1_Pooling/config.json"], **patterns)) == ["1_Pooling/config.json"]
+
+
+def test_experts_kept_in_mxfp4_on_the_fused_kernel(released, hf_reference, make_llm, monkeypatch):
+    """Where the fused kernel runs (here forced, in Triton's interpreter), the experts stay in
+    MXFP4, decoded inside the kernel's K loop: 4.25 bits a weight instead of a float copy, and
+    transformers' tokens from its own MXFP4 loader."""
+    from engine.models.gpt_oss import GptOssExperts
+    from engine.models.moe import SparseMoE
+    from engine.quantization import kept
+
+    monkeypatch.setattr(kept, "KEEP_ON_CPU", True)
+    monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
+    llm = make_llm(released, dtype="float32", attention_backend="triton")
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, GptOssExperts)]
+    weights = [w for m in experts for w in (m.gate_up, m.down) if isinstance(w, kept.KeptExpertsWeight)]
+    assert experts and len(weights) == 2 * len(experts)
+    assert not any(isinstance(p, kept.KeptExpertsWeight) for p in llm.engine.runner.model.parameters())
+    params = sum(w.numel() for w in weights)
+    held = sum(w.kernel.blocks.numel() + w.kernel.scales.numel() for w in weights)  # uint8: one byte each
+    assert held / params == 17 / 32  # ~0.53 bytes a weight, against 2 in bf16 (4 in float32)
+    prompts, max_tokens = PROMPTS[:2], [8, 6]
+    outs = llm.generate(prompts, greedy(max_tokens))
+    assert_outputs_match(hf_reference(released), prompts, max_tokens, outs)

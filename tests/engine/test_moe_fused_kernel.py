@@ -1,5 +1,5 @@
 """MoE models on the fused Triton kernel (forced on CPU, in Triton's interpreter; compiled on
-a GPU): greedy tokens identical to transformers, CUDA graphs allowed only when every block
+a GPU), gpt-oss's included: greedy tokens identical to transformers, CUDA graphs allowed only when every block
 uses it, and its decode graphs free of host syncs."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.cuda_graphs import CallingGraph
+from engine.models.gpt_oss import GptOssExperts
 from engine.models.moe import SparseMoE
 from kernels.interpreter import kernel_device
 from tests.engine.reference import assert_outputs_match, greedy
@@ -34,23 +35,26 @@ def test_kernel_path_matches_transformers(tiny_models, hf_reference, make_llm, m
     assert_outputs_match(hf_reference(path), PROMPTS, MAX_TOKENS, outs)
 
 
-def test_torch_path_on_cpu_is_not_captured(tiny_models, make_llm):
-    model = make_llm(tiny_models("qwen3_moe")).engine.runner.model
-    assert not any(m.fused for m in model.modules() if isinstance(m, SparseMoE))
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_torch_path_on_cpu_is_not_captured(family, tiny_models, make_llm):
+    model = make_llm(tiny_models(family)).engine.runner.model
+    assert not any(m.fused for m in model.modules() if isinstance(m, SparseMoE | GptOssExperts))
     assert not model.supports_cuda_graphs
 
 
 @needs_triton
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_decode_graphs_on_the_kernel_path_match_transformers_and_never_sync(
-    tiny_models, hf_reference, make_llm, monkeypatch
+    family, tiny_models, hf_reference, make_llm, monkeypatch
 ):
     """The decode graphs of an MoE model on the kernel (``CallingGraph`` standing in for the
     CUDA graph, as in test_cuda_graphs): transformers' tokens, and the captured forward reads
-    nothing back to the host."""
+    nothing back to the host. gpt-oss's experts run the kernel's clamped SwiGLU with biases."""
     monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
-    path = tiny_models("qwen2_moe")
+    path = tiny_models(family)
     llm = make_llm(path, attention_backend="triton", device=DEVICE, max_num_seqs=4)
     runner = llm.engine.runner
+    assert runner.model.supports_cuda_graphs
     runner.capture_decode_graphs(graph_factory=None if ON_GPU else CallingGraph)
     graphs = runner.graphs
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))

@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_moe import _down_weighted_kernel, _gate_up_silu_kernel, choose_tiles
+from kernels.fused_moe import _down_weighted_kernel, _gate_up_kernel, choose_tiles
 from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
 from kernels.kv_cache_write import _write_kv_cache_kernel
 from kernels.mla_decode import BLOCK_H, NUM_WARPS, TILE_N, _mla_decode_kernel
@@ -187,41 +187,68 @@ def others(arch):
     return dict(kernel="others", arch=arch)
 
 
-def moe(dt, arch, num_tokens, top_k, num_experts):
-    """Both fused-MoE kernels with the tiles ``choose_tiles`` picks for this batch shape."""
-    tiles = choose_tiles(
-        num_tokens, top_k, num_experts, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-    )
+def moe(dt, arch, num_tokens, top_k, num_experts, variant="silu"):
+    """Both fused-MoE kernels with the tiles ``choose_tiles`` picks for this batch shape.
+    ``variant``: ``silu`` (Mixtral's, Qwen's: gate then up rows, weights ``[experts, out, in]``),
+    ``gpt_oss`` (clamped SwiGLU over interleaved rows, biases, the weights read through
+    transformers' ``[experts, in, out]``), ``gpt_oss_mxfp4`` (that, with MXFP4 weights)."""
+    gpt_oss, fp4 = variant != "silu", variant == "gpt_oss_mxfp4"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    tiles = choose_tiles(num_tokens, top_k, num_experts, dtype, gpt_oss)
     ptr = "*" + dt
-    consts = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, IEEE_DOT=dt == "fp32")
+    consts = dict(
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        HAS_BIAS=gpt_oss,
+        W_MXFP4=fp4,
+        IEEE_DOT=dt == "fp32",
+    )
+    # A launch specializes integers equal to 1 as constants: the unit stride of each layout.
+    unit = {"stride_wk": 1} if variant != "gpt_oss" else {"stride_wn": 1}
+    strides = {"stride_wn", "stride_wk", "stride_we", "stride_se", "stride_sn", "stride_be"} - set(unit)
+    weight = "*u8" if fp4 else ptr
     opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     t = GPUTarget("cuda", arch, 32)
     gate_up = _compile(
-        _gate_up_silu_kernel,
-        dict(x_ptr=ptr, w13_ptr=ptr, act_ptr=ptr, sorted_ids_ptr="*i32", block_expert_ptr="*i32"),
-        {**consts, "TOP_K": top_k},
+        _gate_up_kernel,
+        dict(
+            x_ptr=ptr,
+            w13_ptr=weight,
+            w13_scales_ptr="*u8" if fp4 else ptr,
+            b13_ptr=ptr,
+            act_ptr=ptr,
+            sorted_ids_ptr="*i32",
+            block_expert_ptr="*i32",
+            alpha="fp32",
+            limit="fp32",
+        ),
+        {**consts, **unit, "TOP_K": top_k, "ACTIVATION": int(gpt_oss)},
         t,
-        div16=("inter", "hidden", "stride_xt", "stride_we", "stride_wn", "stride_ar"),
+        div16=("inter", "hidden", "stride_xt", "stride_ar", *strides),
         **opts,
     )
     down = _compile(
         _down_weighted_kernel,
         dict(
             act_ptr=ptr,
-            w2_ptr=ptr,
+            w2_ptr=weight,
+            w2_scales_ptr="*u8" if fp4 else ptr,
+            b2_ptr=ptr,
             out_ptr=ptr,
             topk_weights_ptr="*fp32",
             sorted_ids_ptr="*i32",
             block_expert_ptr="*i32",
         ),
-        consts,
+        {**consts, **unit},
         t,
-        div16=("hidden", "inter", "stride_ar", "stride_we", "stride_wn", "stride_or"),
+        div16=("hidden", "inter", "stride_ar", "stride_or", *strides),
         **opts,
     )
     return [
         dict(
             kernel=f"fused_moe/{name}",
+            variant=variant,
             dtype=dt,
             arch=arch,
             config=[tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages],

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,3 +128,106 @@ def test_bad_shapes_are_named():
         fused_moe(x, w13, w2.transpose(1, 2), weights, ids)
     with pytest.raises(ValueError, match="topk_weights"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
+
+
+def _gpt_oss_case(tokens: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """gpt-oss's experts: interleaved gate/up, biases, weights in transformers' ``[experts, in,
+    out]`` layout (the kernel reads them through transposed views, never copied)."""
+    g = torch.Generator().manual_seed(seed)
+    x, _, _, weights, ids = _case(tokens, k, dtype, seed=seed)
+    gate_up = (torch.randn(EXPERTS, HIDDEN, 2 * INTER, generator=g) * 0.3).to(dtype).to(DEVICE)
+    down = (torch.randn(EXPERTS, INTER, HIDDEN, generator=g) * 0.2).to(dtype).to(DEVICE)
+    b13 = (torch.randn(EXPERTS, 2 * INTER, generator=g) * 0.5).to(dtype).to(DEVICE)
+    b2 = (torch.randn(EXPERTS, HIDDEN, generator=g) * 0.5).to(dtype).to(DEVICE)
+    return x, gate_up.transpose(1, 2), down.transpose(1, 2), weights, ids, b13, b2
+
+
+# A limit the tests' projections cross (gpt-oss's own is 7), so both clamps bite.
+SWIGLU = ref.ClampedSwiGLU(alpha=1.702, limit=1.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_clamped_swiglu_with_biases_matches_reference(dtype):
+    from kernels.fused_moe import fused_moe
+
+    x, w13, w2, weights, ids, b13, b2 = _gpt_oss_case(13, 2, dtype, seed=5)
+    gate_up = x.float() @ w13[ids[0, 0]].float().T + b13[ids[0, 0]].float()
+    assert (gate_up[:, ::2] > SWIGLU.limit).any() and (gate_up[:, 1::2].abs() > SWIGLU.limit).any()
+    got = fused_moe(x, w13, w2, weights, ids, tiles=_small_tiles(), activation=SWIGLU, b13=b13, b2=b2)
+    cpu = [t.cpu() for t in (x, w13, w2, weights, ids)]
+    want = ref.fused_moe(cpu[0], cpu[1], cpu[2], cpu[3], cpu[4], activation=SWIGLU, b13=b13.cpu(), b2=b2.cpu())
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    # The oracle computes what transformers' gpt-oss experts do, one token at a time.
+    for t in range(x.shape[0]):
+        row = torch.zeros(HIDDEN, dtype=dtype)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = SWIGLU(cpu[0][t] @ cpu[1][e].T + b13[e].cpu()) @ cpu[2][e].T + b2[e].cpu()
+            row += (h * cpu[3][t, j]).to(dtype)
+        torch.testing.assert_close(want[t], row, **TOL[dtype])
+
+
+def _mxfp4(w: torch.Tensor) -> ref.Mxfp4Weight:
+    """``w [experts, rows, cols]`` packed as gpt-oss ships its experts (the tests' packer)."""
+    from tests.engine.quantized_checkpoints import mxfp4_pack
+
+    blocks, scales = mxfp4_pack(w.transpose(1, 2))  # (it takes transformers' [experts, in, out])
+    return ref.Mxfp4Weight(blocks.flatten(-2).to(DEVICE), scales.to(DEVICE))
+
+
+def test_mxfp4_reference_is_transformers_dequantization():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(EXPERTS, 2 * INTER, 64, generator=torch.Generator().manual_seed(1))
+    packed = _mxfp4(w)
+    blocks = packed.blocks.cpu().unflatten(-1, (-1, 16))
+    theirs = convert_moe_packed_tensors(blocks, packed.scales.cpu(), dtype=torch.float32)  # [experts, in, out]
+    assert torch.equal(packed.dequantize().cpu(), theirs.transpose(1, 2))
+    assert packed.blocks.element_size() * packed.blocks.numel() + packed.scales.numel() == w.numel() * 17 // 32
+
+
+# Steps inside a group of 32 (16), and of two groups (64, past the end of hidden 96).
+@pytest.mark.parametrize(("dtype", "block_k"), [(torch.float32, 16), (torch.float16, 64)], ids=["f32-16", "f16-64"])
+def test_mxfp4_weights_dequantized_in_the_k_loop(dtype, block_k):
+    from kernels.fused_moe import MoETiles, fused_moe
+
+    hidden, inter = 96, 32  # whole groups of 32 inputs
+    g = torch.Generator().manual_seed(block_k)
+    x = torch.randn(5, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = _mxfp4(torch.randn(EXPERTS, 2 * inter, hidden, generator=g) * 0.1)
+    w2 = _mxfp4(torch.randn(EXPERTS, hidden, inter, generator=g) * 0.1)
+    b13 = torch.randn(EXPERTS, 2 * inter, generator=g).to(dtype).to(DEVICE)
+    b2 = torch.randn(EXPERTS, hidden, generator=g).to(dtype).to(DEVICE)
+    weights, ids = torch.topk(torch.randn(5, EXPERTS, generator=g).softmax(-1), 2, dim=-1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    tiles = MoETiles(block_m=16, block_n=32, block_k=block_k, num_warps=1, num_stages=1)
+    got = fused_moe(x, w13, w2, weights, ids, tiles=tiles, activation=SWIGLU, b13=b13, b2=b2)
+    dense13, dense2 = w13.dequantize(dtype), w2.dequantize(dtype)
+    want = ref.fused_moe(x, dense13, dense2, weights, ids, activation=SWIGLU, b13=b13, b2=b2)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL[dtype])
+
+
+def test_gpt_oss_variants_compile_for_gpu_without_spills():
+    """The clamped-SwiGLU and MXFP4 variants, compiled ahead of time for sm_90 and sm_80 in a
+    subprocess (``_gpu_compile_gpt_oss_moe.py``; the SiLU ones are in ``test_gpu_compile``)."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not available")
+    script = Path(__file__).resolve().parent / "_gpu_compile_gpt_oss_moe.py"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["kernel"], r["variant"], r["arch"], r["config"][0]) for r in results} == {
+        (f"fused_moe/{k}", v, arch, bm)
+        for k in ("gate_up", "down")
+        for v in ("gpt_oss", "gpt_oss_mxfp4")
+        for arch in (90, 80)
+        for bm in (16, 64)
+    }
+    for r in results:
+        assert r["shared"] <= 100 * 1024, r
+        if r["spill"] is not None:
+            assert r["spill"] == 0, f"register spills: {r}"
