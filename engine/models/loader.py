@@ -145,7 +145,7 @@ def load_model(
         return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)
     if file is not None:
-        tensors = _readers(gguf.iter_tensors(file, spec))
+        tensors: Iterator[tuple[str, str, Reader]] = gguf.iter_tensors(file, spec)
     else:
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -173,7 +173,7 @@ def load_model(
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
         # (into the tensor's own dtype: the model's, or float32 where a layer keeps it, as DeepSeek's router)
         target.data[offset : offset + rows].copy_(tensor.to(target.dtype))
-        kept.offer(target, offset, read)
+        kept.offer(target, offset, read, shard[0] if shard else None)
         missing.discard(name)
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
@@ -183,16 +183,6 @@ def load_model(
 
 # Reads a checkpoint tensor, or only the given ``Shard`` of it.
 Reader = Callable[[Shard | None], torch.Tensor]
-
-
-def _readers(tensors: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, str, Reader]]:
-    """Tensors already in memory (GGUF's, dequantized) as readers."""
-    for source, name, tensor in tensors:
-        yield source, name, functools.partial(_take, tensor)
-
-
-def _take(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
-    return tensor if shard is None else shard.take(tensor)
 
 
 def _safetensors(files: list[Path]) -> Iterator[tuple[str, str, Reader]]:

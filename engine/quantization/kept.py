@@ -1,11 +1,13 @@
 """Quantized weights kept quantized in the model, multiplied through a GEMM kernel.
 
 Where the kernels run (CUDA, or the Triton interpreter when ``KEEP_ON_CPU`` forces it for
-tests) and the model has one rank, a layer's ``quantized_linears`` (the weights its forward
+tests), a layer's ``quantized_linears`` (the weights its forward
 only passes to ``F.linear``) whose every piece a kernel serves become a
 ``QuantizedLinearWeight``: a tensor of the weight's shape and dtype with no storage of its
-own, whose ``F.linear`` calls the kernel. The forward passes are unchanged. Elsewhere (the
-CPU, tensor parallelism, a piece no kernel serves) the weight stays dequantized.
+own, whose ``F.linear`` calls the kernel. The forward passes are unchanged. Under tensor
+parallelism each rank keeps its shard of the packed weight and its scales (a split inside a
+scale block is refused). Elsewhere (the CPU, a piece no kernel serves) the weight stays
+dequantized.
 
 Loading still fills the dequantized weight first (the fallback should a piece not stack), so
 the peak while loading is the unquantized model's; once loaded the model holds the packed
@@ -13,6 +15,7 @@ weights and their scales only."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import parallel_state
+from engine.distributed.sharding import Shard
 from engine.quantization.kernel_weights import KernelWeight, concat
 
-# Keep weights quantized on CPU too, run in Triton's interpreter (slow: for tests).
+# Keep weights quantized on CPU too, run in Triton's interpreter (slow: for tests); the
+# variable carries it to a tensor-parallel test's other ranks.
 KEEP_ON_CPU = False
+KEEP_ON_CPU_ENV = "CONVEYOR_TEST_KEEP_QUANTIZED"
 
 
 class QuantizedLinearWeight(torch.Tensor):
@@ -63,13 +68,12 @@ def _linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor |
 
 def keeps_quantized(device: torch.device) -> bool:
     """Whether this process keeps quantized weights quantized on ``device``."""
-    if parallel_state.current().world_size > 1:
-        return False  # the packed shards along K of row-parallel layers are not cut yet
     if device.type == "cuda":
         return True
     from kernels.interpreter import is_interpreting
 
-    return KEEP_ON_CPU and device.type == "cpu" and is_interpreting()
+    forced = KEEP_ON_CPU or os.environ.get(KEEP_ON_CPU_ENV) == "1"
+    return forced and device.type == "cpu" and is_interpreting()
 
 
 class KeptWeights:
@@ -87,12 +91,12 @@ class KeptWeights:
                         self.places[id(param)] = (module, name)
         self.pieces: dict[int, list[tuple[int, KernelWeight | None]]] = {}
 
-    def offer(self, target: torch.Tensor, offset: int, read: object) -> None:
-        """The loader read ``read`` into ``target`` from row ``offset``."""
+    def offer(self, target: torch.Tensor, offset: int, read: object, shard: Shard | None = None) -> None:
+        """The loader read ``read`` (this rank's ``shard`` of it) into ``target`` from row ``offset``."""
         if id(target) not in self.places:
             return
         kernel_weight = getattr(read, "kernel_weight", None)
-        piece = kernel_weight() if kernel_weight is not None else None
+        piece = kernel_weight(shard) if kernel_weight is not None else None
         self.pieces.setdefault(id(target), []).append((offset, piece.to(self.device) if piece else None))
 
     def install(self) -> int:

@@ -49,7 +49,7 @@ def dequantized(
 
 class QuantizedReader:
     """A quantized tensor's reader: called, its dequantized tensor (or shard of it);
-    ``kernel_weight()``, its parts in a GEMM kernel's layout, or ``None``."""
+    ``kernel_weight(shard)``, its parts (or shard of them) in a GEMM kernel's layout, or ``None``."""
 
     def __init__(self, scheme: QuantScheme, parts: Mapping[str, str], get: Callable[[str], torch.Tensor]) -> None:
         self.scheme, self.parts, self.get = scheme, parts, get
@@ -58,8 +58,9 @@ class QuantizedReader:
         tensor = self.scheme.dequantize(self._read())
         return tensor if shard is None else shard.take(tensor)
 
-    def kernel_weight(self) -> KernelWeight | None:
-        return self.scheme.kernel_weight(self._read())
+    def kernel_weight(self, shard: Shard | None) -> KernelWeight | None:
+        weight = self.scheme.kernel_weight(self._read())
+        return None if weight is None else weight.take(shard)
 
     def _read(self) -> dict[str, torch.Tensor]:
         return {role: self.get(name) for role, name in self.parts.items()}
