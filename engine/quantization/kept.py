@@ -9,14 +9,17 @@ parallelism each rank keeps its shard of the packed weight and its scales (a spl
 scale block is refused). Elsewhere (the CPU, a piece no kernel serves) the weight stays
 dequantized.
 
-Loading still fills the dequantized weight first (the fallback should a piece not stack), so
-the peak while loading is the unquantized model's; once loaded the model holds the packed
-weights and their scales only."""
+Loading a quantized checkpoint builds those weights on the meta device (``deferred_linears``)
+and reads each quantized tensor's packed parts only, so the peak while loading is the packed
+model plus one tensor; a weight that stays dequantized gets its memory then, and is read as
+floats. Once loaded the model holds the packed weights and their scales only."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,9 +79,20 @@ def keeps_quantized(device: torch.device) -> bool:
     return forced and device.type == "cpu" and is_interpreting()
 
 
+@dataclass(frozen=True)
+class _Piece:
+    offset: int
+    kernel: KernelWeight
+    read: Callable[[Shard | None], torch.Tensor]
+    shard: Shard | None
+
+
 class KeptWeights:
-    """Collects the kernel pieces of each eligible weight while the loader fills it, then puts
-    in a ``QuantizedLinearWeight`` for each weight whose pieces cover it and stack."""
+    """Takes the kernel pieces of each eligible weight as the loader reads them, and puts in a
+    ``QuantizedLinearWeight`` as soon as a weight's pieces cover it and stack. A weight built
+    on the meta device (``deferred_linears``) gets memory only should it stay dequantized (a
+    piece no kernel serves, pieces that do not stack): it is then allocated and every piece
+    read again as floats."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
@@ -89,38 +103,97 @@ class KeptWeights:
                     param = module._parameters.get(name)
                     if param is not None:
                         self.places[id(param)] = (module, name)
-        self.pieces: dict[int, list[tuple[int, KernelWeight | None]]] = {}
+        self.pieces: dict[int, list[_Piece]] = {}
+        # Meta weights given memory, by the id of the meta tensor the loader's slots hold.
+        self.allocated: dict[int, torch.Tensor] = {}
+        self.kept = 0
 
-    def offer(self, target: torch.Tensor, offset: int, read: object, shard: Shard | None = None) -> None:
-        """The loader read ``read`` (this rank's ``shard`` of it) into ``target`` from row ``offset``."""
-        if id(target) not in self.places:
-            return
+    def take(
+        self, target: torch.Tensor, offset: int, rows: int, read: object, shard: Shard | None
+    ) -> torch.Tensor | None:
+        """``None`` when the kept weight took the loader's piece ``read`` (this rank's
+        ``shard``, rows ``offset`` onwards of ``target``): it reads no float copy. Otherwise the
+        tensor the loader fills with the floats (``target``, or the memory given a meta one)."""
+        key = id(target)
+        if key not in self.places:
+            return self.allocated.get(key, target)
         kernel_weight = getattr(read, "kernel_weight", None)
         piece = kernel_weight(shard) if kernel_weight is not None else None
-        self.pieces.setdefault(id(target), []).append((offset, piece.to(self.device) if piece else None))
+        if piece is None or piece.rows != rows or piece.cols != target.shape[1]:
+            return self._dequantized(key)
+        pieces = self.pieces.setdefault(key, [])
+        pieces.append(_Piece(offset, piece.to(self.device), read, shard))  # type: ignore[arg-type]  # (a reader)
+        if sum(p.kernel.rows for p in pieces) == target.shape[0]:
+            self._install(key)
+        return None
 
     def install(self) -> int:
-        """Swap in the kept weights; the number of weights kept."""
-        kept = 0
-        for key, pieces in self.pieces.items():
-            module, name = self.places[key]
-            target = module._parameters[name]
-            assert target is not None
-            kernel = _covering(sorted(pieces, key=lambda p: p[0]), target.shape[0])
-            if kernel is None or kernel.cols != target.shape[1]:
-                continue
-            del module._parameters[name]
-            setattr(module, name, QuantizedLinearWeight(kernel, target.dtype, target.device))
-            kept += 1
-        return kept
+        """What is left (weights whose pieces never covered them) dequantized; the number of weights kept."""
+        for key in list(self.pieces):
+            self._dequantized(key)
+        return self.kept
+
+    def _install(self, key: int) -> None:
+        module, name = self.places[key]
+        target = module._parameters[name]
+        assert target is not None
+        kernel = _covering(sorted(self.pieces[key], key=lambda p: p.offset), target.shape[0])
+        if kernel is None:
+            self._dequantized(key)
+            return
+        del self.places[key], self.pieces[key]
+        del module._parameters[name]
+        setattr(module, name, QuantizedLinearWeight(kernel, target.dtype, self.device))
+        self.kept += 1
+
+    def _dequantized(self, key: int) -> torch.Tensor:
+        """The weight stays dequantized: given memory if it was built on the meta device, and
+        the pieces taken so far read as floats into it."""
+        module, name = self.places.pop(key)
+        weight = module._parameters[name]
+        assert weight is not None
+        if weight.is_meta:
+            weight = nn.Parameter(
+                torch.empty(weight.shape, dtype=weight.dtype, device=self.device), requires_grad=False
+            )
+            module._parameters[name] = weight
+            self.allocated[key] = weight
+        for p in self.pieces.pop(key, []):
+            weight.data[p.offset : p.offset + p.kernel.rows].copy_(p.read(p.shard).to(weight.dtype))
+        return weight
 
 
-def _covering(pieces: list[tuple[int, KernelWeight | None]], rows: int) -> KernelWeight | None:
+def deferred_linears(active: bool) -> contextlib.AbstractContextManager[None]:
+    """While a model is built: its ``quantized_linears`` made on the meta device (``linear_device``)
+    when ``active``, so that loading a quantized checkpoint never holds them dequantized whole."""
+    return _deferring(active)
+
+
+@contextlib.contextmanager
+def _deferring(active: bool) -> Iterator[None]:
+    global _DEFER
+    before, _DEFER = _DEFER, active
+    try:
+        yield
+    finally:
+        _DEFER = before
+
+
+_DEFER = False
+
+
+def linear_device(device: torch.device) -> torch.device:
+    """Where a layer makes a weight of its ``quantized_linears``: ``device``, or the meta device
+    while ``deferred_linears`` is on."""
+    return torch.device("meta") if _DEFER else device
+
+
+def _covering(pieces: list[_Piece], rows: int) -> KernelWeight | None:
     """The pieces as one kernel weight when they tile ``rows`` rows in order, else ``None``."""
     at, parts = 0, []
-    for offset, piece in pieces:
-        if piece is None or offset != at:
+    for piece in pieces:
+        if piece.offset != at:
             return None
-        parts.append(piece)
-        at += piece.rows
+        parts.append(piece.kernel)
+        at += piece.kernel.rows
     return concat(parts) if at == rows else None

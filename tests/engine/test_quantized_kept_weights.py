@@ -133,15 +133,15 @@ def test_a_split_inside_a_scale_block_is_refused():
     from engine.distributed.sharding import Shard
     from engine.quantization.kernel_weights import Fp8Weight
 
-    q4 = Q4KWeight(
-        *(torch.zeros(8, n, dtype=t) for n, t in ((256, torch.uint8), (24, torch.uint8))),
-        *(torch.zeros(8, 2, dtype=torch.float16),) * 2,
-    )
+    half = torch.zeros(8, 2, dtype=torch.float16)
+    q4 = Q4KWeight(torch.zeros(8, 256, dtype=torch.uint8), torch.zeros(8, 24, dtype=torch.uint8), half, half)
     assert q4.cols == 512 and q4.take(Shard.cols(256, 256)).cols == 256
     with pytest.raises(ValueError, match=r"inputs \[128, 256\).*covers 256 inputs"):
         q4.take(Shard.cols(128, 128))
     fp8 = Fp8Weight.blocks(torch.zeros(64, 64).to(torch.float8_e4m3fn), torch.ones(2, 2), (32, 32))
-    assert fp8 is not None and fp8.take(Shard.rows(32, 32)).scale.shape == (1, 2)
+    assert fp8 is not None
+    rows = fp8.take(Shard.rows(32, 32))
+    assert isinstance(rows, Fp8Weight) and rows.scale.shape == (1, 2)
     with pytest.raises(ValueError, match=r"output rows \[16, 48\).*covers 32 output rows"):
         fp8.take(Shard.rows(16, 32))
 
