@@ -9,16 +9,27 @@ with ``W`` never materialised. Same arithmetic as their references in ``kernels.
   Qwen's and DeepSeek's releases; the edge blocks short), or one scale for the tensor.
   Activations stay in their dtype (W8A16).
 - ``q8_0_gemm``: GGUF's Q8_0 kept quantized: per row, blocks of 32 int8 values and their fp16
-  scale (``split_q8_0`` takes llama.cpp's 34-byte blocks apart, the same bytes in two tensors);
-  ``W[n, k] = qs[n, k] * d[n, k // 32]``."""
+  scale (``gguf_blocks.split_q8_0`` takes llama.cpp's 34-byte blocks apart, the same bytes in two tensors);
+  ``W[n, k] = qs[n, k] * d[n, k // 32]``.
+- ``q4_k_gemm``: GGUF's Q4_K kept quantized: per row, super-blocks of 256 inputs in eight
+  sub-blocks of 32, each with a 6-bit scale and a 6-bit min packed in 12 bytes, times the
+  super-block's fp16 ``d`` and ``dmin`` (``gguf_blocks.split_q4_k`` takes llama.cpp's 144-byte blocks
+  apart); ``W = d * sc * q - dmin * m`` with ``q`` the unsigned nibble.
+
+Every GEMM launches the same way (``_launch``): one program per ``BLOCK_M x BLOCK_N`` output
+tile, the kernel's arguments ``x, *weights, out, M, N, K``, then the row strides of each."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from .e4m3 import e4m3_in_arithmetic, e4m3_to_float
+from .gguf_blocks import Q4_K_BLOCK, Q4_K_SCALE_BYTES, Q8_0_BLOCK
 from .utils import cdiv
 
 
@@ -80,52 +91,54 @@ def _w4a16_gemm_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def choose_tiles(m: int, group_size: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``: small M tiles for decode batches, a K tile
-    inside one group."""
-    block_k = min(64, group_size)
+def choose_tiles(m: int, block_k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for every quantized GEMM: small M tiles for
+    decode batches, a K tile of at most 64 inside one scale block of ``block_k`` inputs."""
+    bk = min(64, block_k)
     if m <= 16:
-        return 16, 64, block_k, 4
-    return 64, 64, block_k, 8
+        return 16, 64, bk, 4
+    return 64, 64, bk, 8
+
+
+def _launch(
+    kernel: Any, x: torch.Tensor, n: int, weights: Sequence[torch.Tensor], block_k: int, **constexprs: Any
+) -> torch.Tensor:
+    """``x [M, K]`` through ``kernel`` over the weight tensors -> ``[M, n]`` in ``x``'s dtype."""
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bn, bk, warps = choose_tiles(m, block_k)
+    kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x,
+        *weights,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        *(w.stride(0) for w in weights),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        IEEE_DOT=x.dtype == torch.float32,
+        num_warps=warps,
+        **constexprs,
+    )
+    return out
 
 
 def w4a16_gemm(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """``x [M, K]`` times the int4 weight ``[N, K]`` transposed -> ``[M, N]`` in ``x``'s dtype."""
-    m, k = x.shape
-    n = qweight.shape[0]
+    k, n = x.shape[1], qweight.shape[0]
     assert qweight.dtype == torch.int32 and qweight.shape[1] * 8 == k
     assert k % group_size == 0 and group_size % 16 == 0, "groups of a multiple of 16 inputs tiling K"
     assert scales.shape == zeros.shape == (n, k // group_size)
-    x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    bm, bn, bk, warps = choose_tiles(m, group_size)
-    grid = (cdiv(m, bm), cdiv(n, bn))
-    _w4a16_gemm_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0),
-        out.stride(0),
-        GROUP_SIZE=group_size,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        IEEE_DOT=x.dtype == torch.float32,
-        num_warps=warps,
-    )
-    return out
+    return _launch(_w4a16_gemm_kernel, x, n, (qweight, scales, zeros), group_size, GROUP_SIZE=group_size)
 
 
 @triton.jit
@@ -182,14 +195,6 @@ def _fp8_block_gemm_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def choose_fp8_tiles(m: int, block_k: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, the K tile inside one scale block."""
-    block = min(64, block_k)
-    if m <= 16:
-        return 16, 64, block, 4
-    return 64, 64, block, 8
-
-
 def fp8_block_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -200,8 +205,7 @@ def fp8_block_gemm(
     """``x [M, K]`` times the e4m3 ``weight [N, K]`` transposed, scaled per ``block`` (``scale``
     [ceil(N / block[0]), ceil(K / block[1])]) or, with ``block=None``, by the one ``scale``.
     ``decode_e4m3`` decodes the bytes in arithmetic (by default on GPUs before sm_89)."""
-    m, k = x.shape
-    n = weight.shape[0]
+    k, n = x.shape[1], weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k
     if block is None:
         assert scale.numel() == 1
@@ -209,50 +213,18 @@ def fp8_block_gemm(
         scale = scale.reshape(1, 1)
     assert scale.shape == (cdiv(n, block[0]), cdiv(k, block[1]))
     assert block[1] % 16 == 0 and (block[1] <= 64 or block[1] % 64 == 0), "K tiles must not straddle scale blocks"
-    x = x.contiguous()
     scale = scale.to(torch.float32).contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    bm, bn, bk, warps = choose_fp8_tiles(m, block[1])
     decode = e4m3_in_arithmetic(x.device) if decode_e4m3 is None else decode_e4m3
-    _fp8_block_gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](
+    return _launch(
+        _fp8_block_gemm_kernel,
         x,
-        weight.view(torch.uint8) if decode else weight,
-        scale,
-        out,
-        m,
         n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        scale.stride(0),
-        out.stride(0),
+        (weight.view(torch.uint8) if decode else weight, scale),
+        block[1],
         SCALE_BLOCK_N=block[0],
         SCALE_BLOCK_K=block[1],
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        IEEE_DOT=x.dtype == torch.float32,
         DECODE_E4M3=decode,
-        num_warps=warps,
     )
-    return out
-
-
-# GGUF Q8_0: 32 values a block, stored as the fp16 scale then 32 int8s.
-Q8_0_BLOCK = 32
-Q8_0_BYTES = 2 + Q8_0_BLOCK
-
-
-def split_q8_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q8_0 rows ``[N, K / 32 * 34]`` uint8 -> ``(qs [N, K] int8, d [N, K / 32] fp16)``."""
-    n, row_bytes = raw.shape
-    assert raw.dtype == torch.uint8 and row_bytes % Q8_0_BYTES == 0
-    blocks = raw.reshape(n, row_bytes // Q8_0_BYTES, Q8_0_BYTES)
-    d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)
-    qs = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
-    return qs, d
 
 
 @triton.jit
@@ -299,38 +271,94 @@ def _q8_0_gemm_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def choose_q8_0_tiles(m: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``: K tiles of one Q8_0 block."""
-    return (16, 64, Q8_0_BLOCK, 4) if m <= 16 else (64, 64, Q8_0_BLOCK, 4)
-
-
 def q8_0_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` times the Q8_0 weight (``split_q8_0``'s ``qs [N, K]``, ``d [N, K / 32]``) transposed."""
-    m, k = x.shape
-    n = qs.shape[0]
+    k, n = x.shape[1], qs.shape[0]
     assert qs.dtype == torch.int8 and qs.shape[1] == k and k % Q8_0_BLOCK == 0
     assert d.shape == (n, k // Q8_0_BLOCK)
-    x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    bm, bn, bk, warps = choose_q8_0_tiles(m)
-    _q8_0_gemm_kernel[(cdiv(m, bm), cdiv(n, bn))](
-        x,
-        qs,
-        d,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        qs.stride(0),
-        d.stride(0),
-        out.stride(0),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        IEEE_DOT=x.dtype == torch.float32,
-        num_warps=warps,
-    )
-    return out
+    return _launch(_q8_0_gemm_kernel, x, n, (qs, d), Q8_0_BLOCK)
+
+
+@triton.jit
+def _q4_k_scale_min(row_ptr, sub, mask):
+    """The 6-bit scale and min of sub-block ``sub`` (0..7) of each row's 12 packed bytes
+    (llama.cpp's ``get_scale_min_k4``): the first four whole in the low 6 bits of bytes 0-3 and
+    4-7, the last four as the low and high nibbles of bytes 8-11 with their top two bits
+    taken from the high bits of bytes 0-3 and 4-7."""
+    b_sub = tl.load(row_ptr + sub, mask=mask, other=0).to(tl.int32)
+    b_plus4 = tl.load(row_ptr + sub + 4, mask=mask, other=0).to(tl.int32)
+    b_low = tl.load(row_ptr + sub % 4, mask=mask, other=0).to(tl.int32)
+    first = sub < 4
+    scale = tl.where(first, b_sub & 63, (b_plus4 & 15) | ((b_low >> 6) << 4))
+    min_ = tl.where(first, b_plus4 & 63, (b_plus4 >> 4) | ((b_sub >> 6) << 4))
+    return scale.to(tl.float32), min_.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_gemm_kernel(
+    x_ptr,
+    qs_ptr,
+    scales_ptr,
+    d_ptr,
+    dmin_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_scn,
+    stride_dn,
+    stride_dminn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    # A K tile is one 64-input chunk of a super-block: 32 bytes a row, whose low nibbles are
+    # sub-block 2j's 32 values and whose high nibbles are sub-block 2j+1's.
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_h[None, :]
+        x_lo = tl.load(x_rows, mask=mask_m[:, None], other=0.0)
+        x_hi = tl.load(x_rows + HALF, mask=mask_m[:, None], other=0.0)
+        nibbles = tl.load(
+            qs_ptr + offs_n[:, None] * stride_qn + k0 // 2 + offs_h[None, :], mask=mask_n[:, None], other=0
+        ).to(tl.int32)
+        block = k0 // 256
+        sub = (k0 % 256) // 32
+        d = tl.load(d_ptr + offs_n * stride_dn + block, mask=mask_n, other=0.0).to(tl.float32)
+        dmin = tl.load(dmin_ptr + offs_n * stride_dminn + block, mask=mask_n, other=0.0).to(tl.float32)
+        scale_row = scales_ptr + offs_n * stride_scn + block * 12
+        sc_lo, m_lo = _q4_k_scale_min(scale_row, sub, mask_n)
+        sc_hi, m_hi = _q4_k_scale_min(scale_row, sub + 1, mask_n)
+        w_lo = ((d * sc_lo)[:, None] * (nibbles & 15).to(tl.float32) - (dmin * m_lo)[:, None]).to(x_lo.dtype)
+        w_hi = ((d * sc_hi)[:, None] * (nibbles >> 4).to(tl.float32) - (dmin * m_hi)[:, None]).to(x_hi.dtype)
+        if IEEE_DOT:
+            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, tl.trans(w_lo))
+            acc += tl.dot(x_hi, tl.trans(w_hi))
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def q4_k_gemm(
+    x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> torch.Tensor:
+    """``x [M, K]`` times the Q4_K weight (``split_q4_k``'s parts) transposed -> ``[M, N]``."""
+    k, n = x.shape[1], qs.shape[0]
+    blocks = k // Q4_K_BLOCK
+    assert qs.dtype == scales.dtype == torch.uint8 and k % Q4_K_BLOCK == 0 and qs.shape == (n, k // 2)
+    assert scales.shape == (n, blocks * Q4_K_SCALE_BYTES) and d.shape == dmin.shape == (n, blocks)
+    return _launch(_q4_k_gemm_kernel, x, n, (qs, scales, d, dmin), 64)

@@ -268,3 +268,26 @@ def q8_0_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     """``x [M, K] @ W.T`` for ``kernels.quant_gemm.q8_0_gemm``: ``W[n, k] = qs[n, k] * d[n, k // 32]``."""
     w = qs.to(torch.float32) * d.to(torch.float32).repeat_interleave(32, dim=1)
     return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def q4_k_weight(qs: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` a Q4_K weight (``kernels.gguf_blocks.split_q4_k``'s parts) stores:
+    per 32-input sub-block ``s`` of a 256-input super-block, ``d * sc[s] * q - dmin * m[s]``,
+    the 6-bit ``sc``/``m`` unpacked from the block's 12 bytes as llama.cpp's ``get_scale_min_k4``."""
+    n = qs.shape[0]
+    packed = scales.to(torch.int32).reshape(n, -1, 3, 4)
+    low, mid, high = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    sc = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=-1)  # [N, blocks, 8]
+    mn = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+    nib = qs.to(torch.int32).reshape(n, -1, 4, 1, 32)  # chunks of 32 bytes: sub-blocks 2j (low), 2j+1 (high)
+    q = torch.cat([nib & 15, nib >> 4], dim=3).reshape(n, -1, 8, 32).to(torch.float32)
+    scale = (d.to(torch.float32).unsqueeze(-1) * sc.to(torch.float32)).unsqueeze(-1)
+    offset = (dmin.to(torch.float32).unsqueeze(-1) * mn.to(torch.float32)).unsqueeze(-1)
+    return (scale * q - offset).reshape(n, -1)
+
+
+def q4_k_gemm(
+    x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``kernels.quant_gemm.q4_k_gemm``, ``W`` as ``q4_k_weight``."""
+    return (x.to(torch.float32) @ q4_k_weight(qs, scales, d, dmin).t()).to(x.dtype)

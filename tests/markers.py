@@ -113,6 +113,8 @@ SLOW: tuple[str, ...] = (
     "tests/engine/test_quantized_checkpoints.py::test_quantized_experts_match_transformers",
     "tests/engine/test_quantized_checkpoints.py::test_two_ranks_shard_a_quantized_checkpoint",
     "tests/engine/test_quantized_kept_weights.py::test_kept_weights_answer_as_transformers_on_the_stored_weights",
+    "tests/engine/test_quantized_kept_weights.py::test_gguf_kept_weights_answer_as_transformers_gguf_loader",
+    "tests/engine/test_quantized_kept_weights.py::test_two_ranks_keep_their_shards_quantized",
     "tests/engine/test_spec_decode.py::test_a_sliding_window_draft_lets_blocks_be_released_and_never_reads_them",
     "tests/engine/test_spec_decode.py::test_draft_target_as_its_own_draft_accepts_nearly_everything",
     "tests/engine/test_spec_decode.py::test_ngram_greedy_is_exact_on_gpt_oss_with_chunked_prefill",

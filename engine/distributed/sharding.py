@@ -48,7 +48,7 @@ class Shard:
     ) -> torch.Tensor:
         """This shard of a tensor of ``shape`` that is read with ``whole()`` or, a range along
         ``dim`` at a time, with ``part(start, size)`` (a checkpoint file can read just those)."""
-        ranges = _merged(self.ranges)
+        ranges = merged_ranges(self.ranges)
         if len(ranges) == 1 and ranges[0] == (0, shape[self.dim]):
             return whole()  # the whole tensor (always so at world size 1)
         for start, size in ranges:
@@ -60,7 +60,8 @@ class Shard:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
-def _merged(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+def merged_ranges(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The ranges with each one that continues the previous joined to it."""
     out: list[tuple[int, int]] = []
     for start, size in ranges:
         if out and out[-1][0] + out[-1][1] == start:

@@ -1,5 +1,7 @@
 """GGUF checkpoints (llama.cpp's one-file format): the config from the file's metadata, the
-weights dequantized to float32 at load with the ``gguf`` library, under transformers' names.
+weights dequantized to float32 at load with the ``gguf`` library, one tensor at a time, under
+transformers' names. Where the loader keeps weights quantized (``engine.quantization.kept``:
+on CUDA), a Q8_0 or Q4_K matrix is handed over as its bytes in the GEMM kernel's layout instead.
 
 llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE pairs
 neighbouring elements where transformers pairs the two halves of a head); the loader undoes
@@ -24,17 +26,20 @@ transformers' GGUF loader does, since our layers add it. Their four norms per la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.distributed.sharding import Shard
 from engine.models import gguf_2026
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
 from engine.models.registry import model_class
+from engine.quantization.kernel_weights import KernelWeight, Q4KWeight, Q8_0Weight
 
 # GGUF's ``general.architecture`` -> our model_type. Mistral checkpoints are written as llama,
 # and so is Mixtral (``mixtral`` when the file has experts).
@@ -319,10 +324,11 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor: Any, file: Path, rows: slice | None = None) -> np.ndarray:
+def _dequantize(tensor: Any, file: Path, rows: slice | None = None, data: np.ndarray | None = None) -> np.ndarray:
     from gguf import dequantize
 
-    data = tensor.data if rows is None else tensor.data[rows]
+    if data is None:
+        data = tensor.data if rows is None else tensor.data[rows]
     try:
         return dequantize(data, tensor.tensor_type)
     except NotImplementedError:
@@ -342,14 +348,17 @@ def check_tensors(file: Path, reader: Any = None) -> None:
             _dequantize(tensor, file, slice(0, 1))
 
 
-def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file name, transformers name, float32 tensor) for each tensor in the file; a name we
-    do not know is passed through as the GGUF name, for the loader to refuse."""
+def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, Callable[[Shard | None], torch.Tensor]]]:
+    """(file name, transformers name, reader) for each tensor in the file; a name we do not
+    know is passed through as the GGUF name, for the loader to refuse. Nothing is dequantized
+    until the loader calls a reader: one tensor (one expert of a stacked one) at a time."""
     reader = _reader(file)
     new_arch = gguf_2026.for_model_type(spec.model_type)
     if new_arch is not None:
+        # (renamed, interleaved, merged or reordered in float32: dequantized as read, none kept)
         dequantized = ((t.name, _dequantize(t, file)) for t in reader.tensors)
-        yield from gguf_2026.iter_tensors(new_arch, file, spec, dequantized)
+        for file_name, name, values in gguf_2026.iter_tensors(new_arch, file, spec, dequantized):
+            yield file_name, name, functools.partial(_shard_of, values)
         return
     experts = spec.moe.num_experts if spec.moe is not None else 0
     permuted = spec.model_type in ("llama", "mixtral")
@@ -358,27 +367,76 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, torch.
         if tensor.name in _ROPE_FACTORS:
             continue  # already in the spec
         names = _hf_names(tensor.name, spec, experts)
-        weights = _dequantize(tensor, file)
+        heads, adjust = None, None
         if permuted and ".attn_q." in tensor.name:
-            weights = _unpermute(weights, spec.num_heads)
+            heads = spec.num_heads
         elif permuted and ".attn_k." in tensor.name:
-            weights = _unpermute(weights, spec.num_kv_heads)
+            heads = spec.num_kv_heads
         elif ".ffn_gate_inp_shexp." in tensor.name:
-            weights = weights.reshape(1, -1)  # the shared expert's gate: one row (llama.cpp may store a vector)
+            adjust = _one_row  # the shared expert's gate: one row (llama.cpp may store a vector)
         elif gemma and tensor.name.endswith("norm.weight"):
-            weights = weights - 1.0  # stored as Gemma's ``1 + weight``
+            adjust = _minus_one  # stored as Gemma's ``1 + weight``
+        if names is None or len(names) == 1:
+            yield file.name, tensor.name if names is None else names[0], TensorReader(tensor, file, heads, adjust)
+            continue
+        if tensor.data.shape[0] != len(names):
+            raise ValueError(
+                f"{file.name}: {tensor.name} stacks {tensor.data.shape[0]} experts, the metadata {len(names)}"
+            )
+        for e, name in enumerate(names):
+            yield file.name, name, TensorReader(tensor, file, heads, adjust, expert=e)
+
+
+def _one_row(weights: np.ndarray) -> np.ndarray:
+    return weights.reshape(1, -1)
+
+
+def _minus_one(weights: np.ndarray) -> np.ndarray:
+    return weights - 1.0
+
+
+# The quantization types a GEMM kernel multiplies kept quantized (``engine.quantization.kept``).
+_KERNEL_TYPES = {"Q8_0": Q8_0Weight.from_blocks, "Q4_K": Q4KWeight.from_blocks}
+
+
+def _shard_of(values: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    return values if shard is None else shard.take(values)
+
+
+class TensorReader:
+    """One GGUF tensor (or one expert of a stacked one) as the loader reads it. Called: its
+    float32 values (or a tensor-parallel shard of them), dequantized then. ``kernel_weight``:
+    a Q8_0 or Q4_K matrix's bytes, rows un-permuted as the values are, in its GEMM kernel's
+    layout (``None`` for other types, or a tensor whose values are adjusted after dequantizing)."""
+
+    def __init__(
+        self,
+        tensor: Any,
+        file: Path,
+        heads: int | None,
+        adjust: Callable[[np.ndarray], np.ndarray] | None,
+        expert: int | None = None,
+    ) -> None:
+        self.tensor, self.file, self.heads, self.adjust, self.expert = tensor, file, heads, adjust, expert
+
+    def _rows(self) -> np.ndarray:
+        """The stored rows (quantized blocks, or values), Llama's Q/K rows back in transformers' order."""
+        data = self.tensor.data if self.expert is None else self.tensor.data[self.expert]
+        return data if self.heads is None else _unpermute(data, self.heads)
+
+    def __call__(self, shard: Shard | None) -> torch.Tensor:
+        weights = _dequantize(self.tensor, self.file, data=self._rows())
+        if self.adjust is not None:
+            weights = self.adjust(weights)
         full = torch.from_numpy(np.array(weights, dtype=np.float32))
-        if names is None:
-            yield file.name, tensor.name, full
-        elif len(names) == 1:
-            yield file.name, names[0], full
-        else:
-            if full.shape[0] != len(names):
-                raise ValueError(
-                    f"{file.name}: {tensor.name} stacks {full.shape[0]} experts, the metadata {len(names)}"
-                )
-            for name, expert in zip(names, full, strict=True):
-                yield file.name, name, expert
+        return full if shard is None else shard.take(full)
+
+    def kernel_weight(self, shard: Shard | None) -> KernelWeight | None:
+        split = _KERNEL_TYPES.get(self.tensor.tensor_type.name)
+        rows = self._rows()
+        if split is None or self.adjust is not None or rows.ndim != 2:
+            return None
+        return split(torch.from_numpy(np.array(rows, dtype=np.uint8))).take(shard)  # (a copy of the mapped file)
 
 
 def load_tokenizer(file: Path) -> Any:

@@ -20,6 +20,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed import parallel_state
 from engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
 from engine.models.model_config import ModelSpec
+from engine.quantization.kept import linear_device
 from kernels import reference
 
 
@@ -116,9 +117,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, spec.hidden_size, dtype=dtype, device=device)
+        self.qkv_weight = _param(
+            self.q_size + 2 * self.kv_size, spec.hidden_size, dtype=dtype, device=linear_device(device)
+        )
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if spec.qkv_bias else None
-        self.o_weight = _param(spec.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_weight = _param(spec.hidden_size, self.q_size, dtype=dtype, device=linear_device(device))
         self.o_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.o_bias else None
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
@@ -163,9 +166,9 @@ class MLP(FeedForward):
         self.inter_start, self.intermediate_size = split(intermediate_size or spec.intermediate_size, self.tp)
         inter = self.intermediate_size
         self.hidden_size = spec.hidden_size
-        self.gate_up_weight = _param(2 * inter, spec.hidden_size, dtype=dtype, device=device)
+        self.gate_up_weight = _param(2 * inter, spec.hidden_size, dtype=dtype, device=linear_device(device))
         self.gate_up_bias = _param(2 * inter, dtype=dtype, device=device) if spec.mlp_bias else None
-        self.down_weight = _param(spec.hidden_size, inter, dtype=dtype, device=device)
+        self.down_weight = _param(spec.hidden_size, inter, dtype=dtype, device=linear_device(device))
         self.down_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

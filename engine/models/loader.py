@@ -27,7 +27,7 @@ from engine.models.transformers_fallback import (
     resolve_model_impl,
 )
 from engine.quantization import QuantScheme, scheme_from_config
-from engine.quantization.kept import KeptWeights
+from engine.quantization.kept import KeptWeights, deferred_linears, keeps_quantized
 from engine.quantization.loading import dequantized
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -144,15 +144,18 @@ def load_model(
     if model_impl == "transformers":
         return load_transformers_model(path, spec, max_len, dtype, device)
     file = gguf.find_gguf(path)
+    scheme = None
     if file is not None:
-        tensors = _readers(gguf.iter_tensors(file, spec))
+        tensors: Iterator[tuple[str, str, Reader]] = gguf.iter_tensors(file, spec)
     else:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{path} has no *.safetensors weights")
         scheme = quant_scheme(path)
         tensors = _safetensors(files) if scheme is None else _dequantized_safetensors(files, scheme)
-    model = model_class(spec)(spec, max_len, dtype, device)
+    # A quantized checkpoint's linear weights get memory only should they stay dequantized.
+    with deferred_linears(keeps_quantized(device) and (file is not None or scheme is not None)):
+        model = model_class(spec)(spec, max_len, dtype, device)
     slots = model.weight_slots()
     missing = set(slots)
     kept = KeptWeights(model, device)
@@ -167,14 +170,17 @@ def load_model(
         if name not in slots:
             raise ValueError(f"{source}: unexpected tensor {name!r} for a {spec.model_type} model")
         target, offset, rows, *shard = slots[name]
+        missing.discard(name)
         # Under tensor parallelism, this rank's rows or columns of the checkpoint tensor only.
-        tensor = read(shard[0] if shard else None)
-        if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
+        part = shard[0] if shard else None
+        dense = kept.take(target, offset, rows, read, part)
+        if dense is None:
+            continue  # kept quantized: no float copy read
+        tensor = read(part)
+        if tensor.shape[0] != rows or tensor.shape[1:] != dense.shape[1:]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config")
         # (into the tensor's own dtype: the model's, or float32 where a layer keeps it, as DeepSeek's router)
-        target.data[offset : offset + rows].copy_(tensor.to(target.dtype))
-        kept.offer(target, offset, read)
-        missing.discard(name)
+        dense.data[offset : offset + rows].copy_(tensor.to(dense.dtype))
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
     kept.install()
@@ -183,16 +189,6 @@ def load_model(
 
 # Reads a checkpoint tensor, or only the given ``Shard`` of it.
 Reader = Callable[[Shard | None], torch.Tensor]
-
-
-def _readers(tensors: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, str, Reader]]:
-    """Tensors already in memory (GGUF's, dequantized) as readers."""
-    for source, name, tensor in tensors:
-        yield source, name, functools.partial(_take, tensor)
-
-
-def _take(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
-    return tensor if shard is None else shard.take(tensor)
 
 
 def _safetensors(files: list[Path]) -> Iterator[tuple[str, str, Reader]]:

@@ -1,7 +1,9 @@
 """Quantized weights in the layouts the GEMM kernels of ``kernels.quant_gemm`` read, so a layer
 keeps its weight quantized and multiplies through the kernel instead of holding it dequantized.
 Each scheme converts its checkpoint parts to one of these (``QuantScheme.kernel_weight``); the
-pieces of one fused tensor (q/k/v, gate/up) are concatenated along the output rows."""
+pieces of one fused tensor (q/k/v, gate/up) are concatenated along the output rows. Under
+tensor parallelism a rank keeps its ``Shard`` of the packed weight and of its scales
+(``KernelWeight.take``), refused where the split falls inside a scale block."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.distributed.sharding import Shard, merged_ranges
 from engine.quantization.packing import pack_int32
 
 
@@ -35,6 +38,43 @@ class KernelWeight(ABC):
     @abstractmethod
     def concat(cls, pieces: Sequence[KernelWeight]) -> KernelWeight | None:
         """The pieces stacked along the rows, or ``None`` when their layouts do not stack."""
+
+    @abstractmethod
+    def scale_block(self) -> tuple[int, int]:
+        """(rows, inputs) one scale covers: a shard must start on such a boundary."""
+
+    @abstractmethod
+    def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
+        """Rows (``dim`` 0) or inputs (1) ``[start, start + size)``, on scale-block boundaries."""
+
+    def take(self, shard: Shard | None) -> KernelWeight:
+        """This tensor-parallel rank's ``shard`` of the weight and its scales; ``ValueError``
+        where a range starts or ends inside a scale block (the block would be split)."""
+        if shard is None:
+            return self
+        extent = (self.rows, self.cols)[shard.dim]
+        ranges = merged_ranges(shard.ranges)
+        if ranges == [(0, extent)]:
+            return self
+        block = self.scale_block()[shard.dim]
+        for start, size in ranges:
+            if start % block or (size % block and start + size != extent):
+                what = ("output rows", "inputs")[shard.dim]
+                raise ValueError(
+                    f"{self.describe()} cannot be split at {what} [{start}, {start + size}): a scale block "
+                    f"covers {block} {what}, and the split would cut one; use a tensor_parallel_size that "
+                    "splits on whole blocks"
+                )
+        parts = [self.narrow(shard.dim, start, size) for start, size in ranges]
+        if len(parts) == 1:
+            return parts[0]
+        joined = concat(parts) if shard.dim == 0 else None
+        if joined is None:
+            raise ValueError(f"{self.describe()}: a shard of {len(parts)} separate input ranges is not supported")
+        return joined
+
+    def describe(self) -> str:
+        return f"a {type(self).__name__} [{self.rows}, {self.cols}]"
 
 
 @dataclass(frozen=True)
@@ -82,6 +122,21 @@ class Int4Weight(KernelWeight):
 
     def to(self, device: torch.device) -> Int4Weight:
         return Int4Weight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+
+    def scale_block(self) -> tuple[int, int]:
+        return 1, self.group_size
+
+    def narrow(self, dim: int, start: int, size: int) -> Int4Weight:
+        if dim == 0:
+            rows = slice(start, start + size)
+            return Int4Weight(self.qweight[rows], self.scales[rows], self.zeros[rows], self.group_size)
+        g = self.group_size
+        return Int4Weight(
+            self.qweight[:, start // 8 : (start + size) // 8].contiguous(),
+            self.scales[:, start // g : (start + size) // g].contiguous(),
+            self.zeros[:, start // g : (start + size) // g].contiguous(),
+            g,
+        )
 
     @classmethod
     def concat(cls, pieces: Sequence[KernelWeight]) -> Int4Weight | None:
@@ -150,6 +205,20 @@ class Fp8Weight(KernelWeight):
     def to(self, device: torch.device) -> Fp8Weight:
         return Fp8Weight(self.weight.to(device), self.scale.to(device), self.block)
 
+    def scale_block(self) -> tuple[int, int]:
+        # One scale across all the inputs (per-tensor, per-channel): any split of them keeps it.
+        return self.block[0], 1 if self.scale.shape[1] == 1 else self.block[1]
+
+    def narrow(self, dim: int, start: int, size: int) -> Fp8Weight:
+        b0, b1 = self.block
+        if dim == 0:
+            rows = self.scale[start // b0 : -(-(start + size) // b0)]
+            return Fp8Weight(self.weight[start : start + size], rows, self.block)
+        weight = self.weight[:, start : start + size].contiguous()
+        if self.scale.shape[1] == 1:
+            return Fp8Weight(weight, self.scale, (b0, -(-size // 64) * 64))
+        return Fp8Weight(weight, self.scale[:, start // b1 : -(-(start + size) // b1)].contiguous(), self.block)
+
     @classmethod
     def concat(cls, pieces: Sequence[KernelWeight]) -> Fp8Weight | None:
         if not all(isinstance(p, Fp8Weight) for p in pieces):
@@ -161,6 +230,120 @@ class Fp8Weight(KernelWeight):
         if any(p.rows % p.block[0] for p in fp8[:-1]):
             return None
         return cls(torch.cat([p.weight for p in fp8]), torch.cat([p.scale for p in fp8]), fp8[0].block)
+
+
+@dataclass(frozen=True)
+class Q8_0Weight(KernelWeight):
+    """``q8_0_gemm``'s layout: GGUF Q8_0's bytes in two tensors, ``qs`` [rows, cols] int8 and
+    ``d`` [rows, cols / 32] fp16 (``kernels.gguf_blocks.split_q8_0``)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor) -> Q8_0Weight:
+        """From the file's rows of 34-byte blocks ``[rows, cols / 32 * 34]`` uint8."""
+        from kernels.gguf_blocks import split_q8_0
+
+        return cls(*split_q8_0(raw))
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return self.qs.shape[0]
+
+    @property
+    def cols(self) -> int:  # type: ignore[override]
+        return self.qs.shape[1]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.quant_gemm import q8_0_gemm  # imports Triton: only where a kernel runs
+
+        return q8_0_gemm(x, self.qs, self.d)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d))
+
+    def to(self, device: torch.device) -> Q8_0Weight:
+        return Q8_0Weight(self.qs.to(device), self.d.to(device))
+
+    @classmethod
+    def concat(cls, pieces: Sequence[KernelWeight]) -> Q8_0Weight | None:
+        q8 = [p for p in pieces if isinstance(p, Q8_0Weight)]
+        if len(q8) != len(pieces) or len({p.cols for p in q8}) != 1:
+            return None
+        return cls(torch.cat([p.qs for p in q8]), torch.cat([p.d for p in q8]))
+
+    def scale_block(self) -> tuple[int, int]:
+        return 1, 32
+
+    def narrow(self, dim: int, start: int, size: int) -> Q8_0Weight:
+        if dim == 0:
+            return Q8_0Weight(self.qs[start : start + size], self.d[start : start + size])
+        return Q8_0Weight(
+            self.qs[:, start : start + size].contiguous(), self.d[:, start // 32 : (start + size) // 32].contiguous()
+        )
+
+
+@dataclass(frozen=True)
+class Q4KWeight(KernelWeight):
+    """``q4_k_gemm``'s layout: GGUF Q4_K's bytes in four tensors (``kernels.gguf_blocks.split_q4_k``):
+    ``qs`` [rows, cols / 2] uint8 nibbles, ``scales`` [rows, cols / 256 * 12] uint8 (eight
+    6-bit scales and mins a super-block), ``d`` and ``dmin`` [rows, cols / 256] fp16."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor) -> Q4KWeight:
+        """From the file's rows of 144-byte super-blocks ``[rows, cols / 256 * 144]`` uint8."""
+        from kernels.gguf_blocks import split_q4_k
+
+        return cls(*split_q4_k(raw))
+
+    @property
+    def rows(self) -> int:  # type: ignore[override]
+        return self.qs.shape[0]
+
+    @property
+    def cols(self) -> int:  # type: ignore[override]
+        return self.qs.shape[1] * 2
+
+    def _parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qs, self.scales, self.d, self.dmin
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.quant_gemm import q4_k_gemm  # imports Triton: only where a kernel runs
+
+        return q4_k_gemm(x, *self._parts())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._parts())
+
+    def to(self, device: torch.device) -> Q4KWeight:
+        return Q4KWeight(*(t.to(device) for t in self._parts()))
+
+    @classmethod
+    def concat(cls, pieces: Sequence[KernelWeight]) -> Q4KWeight | None:
+        q4 = [p for p in pieces if isinstance(p, Q4KWeight)]
+        if len(q4) != len(pieces) or len({p.cols for p in q4}) != 1:
+            return None
+        return cls(*(torch.cat(parts) for parts in zip(*(p._parts() for p in q4), strict=True)))
+
+    def scale_block(self) -> tuple[int, int]:
+        return 1, 256
+
+    def narrow(self, dim: int, start: int, size: int) -> Q4KWeight:
+        if dim == 0:
+            return Q4KWeight(*(t[start : start + size] for t in self._parts()))
+        first, blocks = start // 256, size // 256
+        return Q4KWeight(
+            self.qs[:, start // 2 : (start + size) // 2].contiguous(),
+            self.scales[:, first * 12 : (first + blocks) * 12].contiguous(),
+            self.d[:, first : first + blocks].contiguous(),
+            self.dmin[:, first : first + blocks].contiguous(),
+        )
 
 
 def consecutive_groups(g_idx: torch.Tensor | None, groups: int) -> bool:

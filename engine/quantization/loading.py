@@ -50,8 +50,8 @@ def dequantized(
 
 class QuantizedReader:
     """A quantized tensor's reader: called, its dequantized tensor (or shard of it);
-    ``kernel_weight()``, its parts in a GEMM kernel's layout, or ``None``; ``expert_weight()``,
-    stacked experts' parts in the fused MoE kernel's, or ``None``."""
+    ``kernel_weight(shard)``, its parts (or shard of them) in a GEMM kernel's layout, or ``None``;
+    ``expert_weight()``, stacked experts' parts in the fused MoE kernel's, or ``None``."""
 
     def __init__(self, scheme: QuantScheme, parts: Mapping[str, str], get: Callable[[str], torch.Tensor]) -> None:
         self.scheme, self.parts, self.get = scheme, parts, get
@@ -61,8 +61,9 @@ class QuantizedReader:
         tensor = self.scheme.dequantize(self._read())
         return tensor if shard is None else shard.take(tensor)
 
-    def kernel_weight(self) -> KernelWeight | None:
-        return self.scheme.kernel_weight(self._read())
+    def kernel_weight(self, shard: Shard | None) -> KernelWeight | None:
+        weight = self.scheme.kernel_weight(self._read())
+        return None if weight is None else weight.take(shard)
 
     def expert_weight(self) -> Mxfp4Weight | None:
         return self.scheme.expert_weight(self._read())

@@ -75,6 +75,14 @@ class W8A8Weight(KernelWeight):
     def nbytes(self) -> int:
         return self.weight.nbytes()
 
+    def scale_block(self) -> tuple[int, int]:
+        return self.weight.scale_block()
+
+    def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
+        # (``KeptWeights`` leaves a W8A8 weight dequantized under tensor parallelism: a rank's
+        # share of the inputs would set a different dynamic input scale.)
+        raise ValueError(f"{self.describe()} is not split over tensor-parallel ranks")
+
     def to(self, device: torch.device) -> W8A8Weight:
         return W8A8Weight(self.weight.to(device), self.act, self.segments, self.uniform)
 

@@ -88,12 +88,44 @@ def _write_gemma_metadata(w: Any, cfg: dict, arch: str, layer_keys: bool) -> Non
         w.add_rope_scaling_factor(full["factor"])
 
 
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_K blocks of ``data`` [rows, cols] (cols a multiple of 256) by a plain
+    min/max fit per 32 values (the gguf library has no Q4_K quantizer): ``[rows, cols / 256 *
+    144]`` uint8, fp16 ``d`` and ``dmin``, the eight 6-bit scales and mins packed in 12 bytes,
+    then the nibbles, sub-block 2j in chunk j's low nibbles and 2j+1 in its high ones. What a
+    reader makes of the bytes is the gguf library's ``dequantize`` (the reference)."""
+    rows, cols = data.shape
+    blocks = cols // 256
+    x = data.astype(np.float32).reshape(rows, blocks, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)
+    scale, mins = (x.max(-1) - low) / 15, -low
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.round(scale / d.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
+        mn = np.nan_to_num(np.round(mins / dmin.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
+        step = (d.astype(np.float32)[..., None] * sc)[..., None]
+        offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+        q = np.nan_to_num(np.round((x + offset) / step)).clip(0, 15).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    nibbles = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(rows, blocks, 128)
+    parts = [d.view(np.uint8).reshape(rows, blocks, 2), dmin.view(np.uint8).reshape(rows, blocks, 2), packed, nibbles]
+    return np.concatenate(parts, axis=-1).reshape(rows, blocks * 144)
+
+
 def write_gguf(
     checkpoint: str, out_dir: Path, qtype: str = "F32", arch: str = "llama", gemma_layer_keys: bool = False
 ) -> Path:
     """``checkpoint`` (safetensors) as ``out_dir/model.gguf``, its tokenizer files beside it;
     tensors named by gguf's ``TensorNameMap`` for ``arch``, experts stacked, 2-D weights
-    quantized to ``qtype``, norms kept F32 as llama.cpp does."""
+    quantized to ``qtype`` (Q4_K by ``quantize_q4_k``), norms kept F32 as llama.cpp does."""
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(checkpoint) / "config.json").read_text())
@@ -139,7 +171,9 @@ def write_gguf(
             data = _permute(data, kv_heads)
         elif gemma and name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's Gemma converters store ``1 + weight``
-        if data.ndim >= 2 and qt != gguf.GGMLQuantizationType.F32:
+        if data.ndim == 2 and qt == gguf.GGMLQuantizationType.Q4_K:
+            w.add_tensor(_gguf_name(names, name), quantize_q4_k(data), raw_dtype=qt)
+        elif data.ndim >= 2 and qt != gguf.GGMLQuantizationType.F32:
             w.add_tensor(_gguf_name(names, name), gguf.quantize(data, qt), raw_dtype=qt)
         else:
             w.add_tensor(_gguf_name(names, name), data)
@@ -182,14 +216,16 @@ PROMPTS = [[5, 17, 99, 230, 41], [7, 300, 12, 12, 88, 150, 3, 201, 45, 66, 19], 
 
 
 @pytest.mark.parametrize(
-    ("family", "qtype"), [("llama", "F32"), ("llama", "Q8_0"), ("qwen2", "F32"), ("qwen3", "Q8_0")]
+    ("family", "qtype"), [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_K"), ("qwen2", "F32"), ("qwen3", "Q8_0")]
 )
 def test_gguf_greedy_matches_transformers(family, qtype, tiny_models, tmp_path, make_llm):
     """The file named directly and its directory load the same model; greedy tokens match
     transformers' GGUF loader on the same file (Llama's Q/K un-permuted, quantized weights
     dequantized the same way)."""
     # transformers' GGUF config for qwen3 ignores the file's key_length (head_dim): give it its default
-    kwargs = {"head_dim": 128} if family == "qwen3" else {}
+    kwargs: dict[str, Any] = {"head_dim": 128} if family == "qwen3" else {}
+    if qtype == "Q4_K":  # Q4_K's super-blocks are 256 inputs
+        kwargs.update(hidden_size=256, intermediate_size=256)
     file = write_gguf(tiny_models(family, **kwargs), tmp_path / "m", qtype, arch=family)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]

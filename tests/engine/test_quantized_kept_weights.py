@@ -2,8 +2,8 @@
 ``kernels.quant_gemm`` (here in Triton's interpreter, as on a GPU they run compiled): the layers
 hold the packed weights and scales only, and the model answers greedy token for token as
 transformers does on the float weights the format stores (W8A8 formats: its layers' inputs
-quantized by compressed-tensors' functions). A layout no kernel serves (GPTQ's
-activation order) stays dequantized."""
+quantized by compressed-tensors' functions). GGUF's Q8_0 and Q4_K matrices are kept as the
+file's bytes. A layout no kernel serves (GPTQ's activation order) stays dequantized."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import SamplingParams
 from engine.quantization import kept
 from engine.quantization.kept import QuantizedLinearWeight
+from engine.quantization.kernel_weights import Q4KWeight, Q8_0Weight
 from tests.engine import quantized_checkpoints as qc
-from tests.engine.reference import assert_outputs_match, greedy
+from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours", "A"]
 MAX_TOKENS = [8, 5, 6]
@@ -81,6 +83,79 @@ def test_kept_weights_answer_as_transformers_on_the_stored_weights(
     assert kept_bytes < float_bytes / 3
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
+
+
+@pytest.mark.usefixtures("keep_on_cpu")
+@pytest.mark.parametrize(("qtype", "kernel"), [("Q8_0", Q8_0Weight), ("Q4_K", Q4KWeight)])
+def test_gguf_kept_weights_answer_as_transformers_gguf_loader(qtype, kernel, tiny_models, tmp_path, make_llm):
+    """A Llama GGUF file of Q8_0 or Q4_K matrices (Q/K rows un-permuted as the bytes are read)
+    keeps every projection as the file's blocks; greedy tokens are transformers' GGUF loader's
+    on the same file (which dequantizes it whole)."""
+    from tests.engine.test_gguf import PROMPTS as IDS
+    from tests.engine.test_gguf import _hf_greedy, write_gguf
+
+    file = write_gguf(tiny_models("llama", hidden_size=256, intermediate_size=256), tmp_path / "m", qtype)
+    llm = make_llm(str(file))
+    linears = _linears(llm)
+    assert linears and all(isinstance(w, QuantizedLinearWeight) and isinstance(w.kernel, kernel) for w in linears)
+    bits = 8.5 if qtype == "Q8_0" else 4.5  # the file's bits per weight, scales included
+    assert sum(w.kernel.nbytes() for w in linears) * 8 == bits * sum(w.numel() for w in linears)
+    ids = IDS[:2]  # (the interpreter is slow)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
+    for i, (out, ref) in enumerate(zip(outs, _hf_greedy(file, ids, 4), strict=True)):
+        assert_greedy_match(out.token_ids, ref, f"{qtype} kept, prompt {i}")
+
+
+# (FP8 as W8A16: a W8A8 checkpoint is dequantized under tensor parallelism, its inputs unquantized)
+@pytest.mark.parametrize("fmt", ["awq", "ct-w8a16-fp8-channel", "gguf-q8_0"])
+def test_two_ranks_keep_their_shards_quantized(fmt, tiny_models, tmp_path, hf_reference, make_llm, monkeypatch):
+    """Tensor parallelism (two ranks, gloo) with kept weights: each rank holds its rows of
+    q/k/v and gate/up and its input columns of o_proj and down_proj as packed integers, FP8
+    or Q8_0 blocks with their scales (the splits fall on group and block boundaries), and
+    the model answers as transformers does on the stored weights."""
+    from tests.engine.test_gguf import write_gguf
+
+    monkeypatch.setenv(kept.KEEP_ON_CPU_ENV, "1")  # (for the other rank's process too)
+    if fmt == "gguf-q8_0":
+        model, reference = str(write_gguf(tiny_models("llama"), tmp_path / "m", "Q8_0")), None
+    else:
+        config, quantize = FORMATS[fmt]()
+        quantized, reference = qc.write_quantized(tiny_models("llama"), tmp_path / fmt, config, quantize)
+        model = str(quantized)
+    llm = make_llm(model, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16)
+    try:
+        linears = _linears(llm)
+        assert linears and all(isinstance(w, QuantizedLinearWeight) for w in linears)
+        # Rank 0's halves: o_proj's and down_proj's inputs, q/k/v's and gate/up's outputs.
+        o_proj = llm.engine.runner.model.layers[0].self_attn.o_weight
+        assert o_proj.shape == (64, 32) and o_proj.kernel.cols == 32
+        outs = llm.generate(PROMPTS[:2], greedy(MAX_TOKENS[:2]))
+    finally:
+        llm.shutdown()
+    if reference is None:  # GGUF: against our own single-rank model on the same file's dequantized weights
+        monkeypatch.delenv(kept.KEEP_ON_CPU_ENV)
+        dense = make_llm(model).generate(PROMPTS[:2], greedy(MAX_TOKENS[:2]))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in dense]
+    else:
+        assert_outputs_match(hf_reference(str(reference)), PROMPTS[:2], MAX_TOKENS[:2], outs)
+
+
+def test_a_split_inside_a_scale_block_is_refused():
+    from engine.distributed.sharding import Shard
+    from engine.quantization.kernel_weights import Fp8Weight
+
+    half = torch.zeros(8, 2, dtype=torch.float16)
+    q4 = Q4KWeight(torch.zeros(8, 256, dtype=torch.uint8), torch.zeros(8, 24, dtype=torch.uint8), half, half)
+    assert q4.cols == 512 and q4.take(Shard.cols(256, 256)).cols == 256
+    with pytest.raises(ValueError, match=r"inputs \[128, 256\).*covers 256 inputs"):
+        q4.take(Shard.cols(128, 128))
+    fp8 = Fp8Weight.blocks(torch.zeros(64, 64).to(torch.float8_e4m3fn), torch.ones(2, 2), (32, 32))
+    assert fp8 is not None
+    rows = fp8.take(Shard.rows(32, 32))
+    assert isinstance(rows, Fp8Weight) and rows.scale.shape == (1, 2)
+    with pytest.raises(ValueError, match=r"output rows \[16, 48\).*covers 32 output rows"):
+        fp8.take(Shard.rows(16, 32))
 
 
 @pytest.mark.usefixtures("keep_on_cpu")

@@ -12,11 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from triton.backends.compiler import GPUTarget
 
 from kernels.quant_gemm import (
+    Q8_0_BLOCK,
     _fp8_block_gemm_kernel,
+    _q4_k_gemm_kernel,
     _q8_0_gemm_kernel,
     _w4a16_gemm_kernel,
-    choose_fp8_tiles,
-    choose_q8_0_tiles,
     choose_tiles,
 )
 from tests.kernels._gpu_compile import _compile, _spill_bytes
@@ -41,7 +41,7 @@ def w4a16(dt: str, arch: int, m: int, group_size: int) -> dict:
 
 def fp8_block(dt: str, arch: int, m: int, block: tuple[int, int]) -> dict:
     """sm_90 reads the e4m3 type; sm_80 has none and decodes the bytes (``DECODE_E4M3``)."""
-    bm, bn, bk, warps = choose_fp8_tiles(m, block[1])
+    bm, bn, bk, warps = choose_tiles(m, block[1])
     decode = arch < 89
     types = dict(x_ptr="*" + dt, w_ptr="*u8" if decode else "*fp8e4nv", scale_ptr="*fp32", out_ptr="*" + dt)
     consts = dict(
@@ -67,13 +67,29 @@ def fp8_block(dt: str, arch: int, m: int, block: tuple[int, int]) -> dict:
 
 
 def q8_0(dt: str, arch: int, m: int) -> dict:
-    bm, bn, bk, warps = choose_q8_0_tiles(m)
+    bm, bn, bk, warps = choose_tiles(m, Q8_0_BLOCK)
     types = dict(x_ptr="*" + dt, qs_ptr="*i8", d_ptr="*fp16", out_ptr="*" + dt)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_DOT=False)
     strides = [n for n in _q8_0_gemm_kernel.arg_names if n.startswith("stride_")] + ["K", "N"]
     k = _compile(_q8_0_gemm_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
     return dict(
         kernel="q8_0_gemm",
+        dtype=dt,
+        arch=arch,
+        config=[bm, bn, bk, warps],
+        shared=k.metadata.shared,
+        spill=_spill_bytes(k),
+    )
+
+
+def q4_k(dt: str, arch: int, m: int) -> dict:
+    bm, bn, bk, warps = choose_tiles(m, 64)
+    types = dict(x_ptr="*" + dt, qs_ptr="*u8", scales_ptr="*u8", d_ptr="*fp16", dmin_ptr="*fp16", out_ptr="*" + dt)
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE_DOT=False)
+    strides = [n for n in _q4_k_gemm_kernel.arg_names if n.startswith("stride_")] + ["K", "N"]
+    k = _compile(_q4_k_gemm_kernel, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
+    return dict(
+        kernel="q4_k_gemm",
         dtype=dt,
         arch=arch,
         config=[bm, bn, bk, warps],
@@ -92,4 +108,5 @@ if __name__ == "__main__":
     ]
     results += [fp8_block(dt, arch, m, (128, 128)) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
     results += [q8_0(dt, arch, m) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
+    results += [q4_k(dt, arch, m) for arch in (90, 80) for dt in ("bf16", "fp16") for m in (1, 256)]
     print(json.dumps(results))

@@ -1,6 +1,6 @@
 """The quantized-weight Triton GEMMs vs kernels.reference: W4A16 (int4 groups dequantized in
 its K loop), block FP8 (e4m3 read as the type, or its bytes decoded as sm_80 needs) and GGUF
-Q8_0 (against the gguf library's dequantization), and their compilation for sm_90 and sm_80
+Q8_0 and Q4_K (against the gguf library's dequantization), and their compilation for sm_90 and sm_80
 without register spills."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_quant_gemm_kernels_compile_for_gpu_without_spills():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["kernel"], r["arch"], r["dtype"], r["config"][0]) for r in results} >= {
         (kernel, arch, dt, bm)
-        for kernel in ("w4a16_gemm", "fp8_block_gemm", "q8_0_gemm")
+        for kernel in ("w4a16_gemm", "fp8_block_gemm", "q8_0_gemm", "q4_k_gemm")
         for arch in (80, 90)
         for dt in ("bf16", "fp16")
         for bm in (16, 64)
@@ -106,7 +106,8 @@ def test_q8_0_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from kernels.quant_gemm import q8_0_gemm, split_q8_0
+    from kernels.gguf_blocks import split_q8_0
+    from kernels.quant_gemm import q8_0_gemm
 
     rng = np.random.default_rng(n + k)
     raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q8_0)
@@ -118,5 +119,39 @@ def test_q8_0_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
     want = ref.q8_0_gemm(x, qs, d)
     torch.testing.assert_close(want.float(), (x.float() @ dense.t()).to(dtype).float(), **TOL[dtype])
     got = q8_0_gemm(x.to(DEVICE), qs.to(DEVICE), d.to(DEVICE))
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+def _q4_k_blocks(n: int, k: int, seed: int):
+    """Random llama.cpp Q4_K rows ``[n, k / 256 * 144]``: any nibbles and 6-bit scales and
+    mins (every bit pattern of the 12 bytes), small positive fp16 ``d`` and ``dmin`` (weights
+    within about +-1.5, as a trained model's: outputs within fp16's absolute tolerance)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.random((n, k // 256, 1)) * 0.001 + 0.0005).astype(np.float16).view(np.uint8)
+    blocks[..., 2:4] = (rng.random((n, k // 256, 1)) * 0.002).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize(("n", "k"), [(48, 256), (80, 512)])
+def test_q4_k_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels.gguf_blocks import split_q4_k
+    from kernels.quant_gemm import q4_k_gemm
+
+    raw = _q4_k_blocks(n, k, seed=n + k)
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype("float32"))
+    parts = split_q4_k(torch.from_numpy(raw))
+    # The reference's unpacking of the scales and nibbles is the library's, bit for bit.
+    assert torch.equal(ref.q4_k_weight(*parts), dense)
+    x = (0.25 * torch.randn(m, k, generator=torch.Generator().manual_seed(5))).to(dtype)
+    want = ref.q4_k_gemm(x, *parts)
+    got = q4_k_gemm(x.to(DEVICE), *(p.to(DEVICE) for p in parts))
     assert got.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
