@@ -127,9 +127,10 @@ def causal_conv1d_snapshots(
     num_snapshots, width = snapshots.shape[1], state.shape[1]
     if not takes_snapshots(x.shape[0], num_snapshots):
         return
+    count = min(x.shape[0], num_snapshots)
     window = torch.cat((state, x.t().to(state.dtype)), dim=-1)  # [C, K - 1 + T]
-    for t in range(min(x.shape[0], num_snapshots)):
-        snapshots[slot, (position + t) % num_snapshots] = window[:, t + 1 : t + 1 + width]
+    after = window.unfold(1, width, 1)[:, 1 : count + 1].transpose(0, 1)  # [count, C, K - 1]: after each row
+    snapshots[slot, [(position + t) % num_snapshots for t in range(count)]] = after
 
 
 def _delta_snapshots(q, k, v, g, beta, state, snapshots, slot: int, position: int) -> None:
