@@ -306,7 +306,12 @@ class EngineConfig:
     def logit_rows_per_seq(self) -> int:
         """The most rows of one sequence whose logits a step keeps: 1, or with speculative
         decoding its decode and every proposal (all verified at once)."""
-        return 1 if self.speculative is None else 1 + self.speculative.num_speculative_tokens
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most proposals one sequence verifies in a step (0: speculative decoding off)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     def resolve_device(self) -> torch.device:
         if self.model.device == "auto":

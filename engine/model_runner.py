@@ -90,13 +90,14 @@ class ModelRunner:
         self.num_kv_heads = self.kv_layout.heads
         # A hybrid model keeps K/V for its full-attention layers only (``ModelSpec.kv_cache_layers``),
         # and a state slot per running request (``engine.state_cache``, plus one for decode graphs'
-        # padding rows), reserved out of the same budget.
-        self.state_bytes = (config.scheduler.max_num_seqs + 1) * state_bytes_per_seq(self.model)
+        # padding rows; with speculative decoding, its snapshots), reserved out of the same budget.
+        num_snapshots = config.num_speculative_tokens
+        self.state_bytes = (config.scheduler.max_num_seqs + 1) * state_bytes_per_seq(self.model, num_snapshots)
         self.num_blocks = self._agreed_num_blocks()
         self.kv_cache, self.kv_caches = self.kv_layout.allocate(
             self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
-        self.state_cache = allocate_state(self.model, config.scheduler.max_num_seqs, self.num_blocks)
+        self.state_cache = allocate_state(self.model, config.scheduler.max_num_seqs, self.num_blocks, num_snapshots)
         sync(self.device)
         startup.kv_cache += time.perf_counter() - begin
         log.info(

@@ -11,7 +11,11 @@ so the sequence cap is the binding limit and a running request always has its sl
 Prefix caching is off for hybrid models: a cached prefix would have to restore the recurrent
 state as of its last block too, a snapshot per cached block (see docs/engine/models.md for the
 sizes), and a request's first block must be its own, since it names the request's slot.
-Speculative decoding is refused: a rejected proposal would leave the state past it.
+
+Speculative decoding: a verification step runs a request's decode and proposals through its
+state, so a rejection must take the state back too: ``trim`` gives the slot the snapshot the
+step left after the last kept token (``LinearStateCache.rollback``), as it frees the K/V blocks
+only the rejected tokens held.
 """
 
 from __future__ import annotations
@@ -67,7 +71,11 @@ class HybridMemory(KVCacheManager):
         return True
 
     def trim(self, req: Request, num_tokens: int) -> None:
-        raise RuntimeError("a hybrid model's state cannot be rolled back (speculative decoding is not served)")
+        super().trim(req, num_tokens)
+        slot = self._slot_of.get(req.seq_id)
+        if slot is not None:
+            assert self.state is not None
+            self.state.rollback(slot, num_tokens)
 
     def free(self, req: Request) -> None:
         slot = self._slot_of.pop(req.seq_id, None)
@@ -82,13 +90,14 @@ def make_request_memory(
     state: LinearStateCache | None, *, speculative: bool, enable_caching: bool, **kv_kwargs
 ) -> KVCacheManager:
     """The paged K/V manager, or ``HybridMemory`` for a model with per-request state (prefix
-    caching then off, with the reason logged; speculative decoding refused)."""
+    caching then off, with the reason logged; with speculative decoding, the state must keep the
+    snapshots a rollback takes)."""
     if state is None:
         return KVCacheManager(enable_caching=enable_caching, **kv_kwargs)
-    if speculative:
+    if speculative and not state.num_snapshots:
         raise ValueError(
-            "speculative decoding is not served for hybrid (linear-attention) models: a rejected proposal "
-            "would leave their recurrent state past it; turn speculative_config off"
+            "speculative decoding on a hybrid (linear-attention) model needs state snapshots to roll back "
+            "rejected proposals: allocate the state with num_snapshots = num_speculative_tokens"
         )
     if enable_caching:
         log.info("prefix caching is off for this hybrid model: its recurrent state is per request, not per block")

@@ -107,6 +107,42 @@ def gated_delta_rule_chunked(
 # ``q, k [T, Hk, dk]`` (each key head serves ``Hv / Hk`` value heads), ``v [T, Hv, dv]``, ``g, beta
 # [T, Hv]``, ``states [num_slots, Hv, dk, dv]`` float32, updated in place at ``slots [B]``; a
 # sequence with ``fresh [B]`` true starts from a zero state. Outputs go into ``out [T, Hv, dv]``.
+#
+# Snapshots (speculative decoding's rollback, ``engine.state_cache``): with ``snapshots
+# [num_slots, S, ...]`` and ``positions [B]`` (each sequence's first row's position), a sequence
+# of at most ``1 + S`` rows (a verification) also leaves the state after each of its first
+# ``min(rows, S)`` rows, the one after position ``p`` in ``snapshots[slot, p % S]``.
+
+
+def takes_snapshots(rows: int, num_snapshots: int) -> bool:
+    """Whether a sequence of ``rows`` rows leaves per-row snapshots (a verification's length)."""
+    return num_snapshots > 0 and rows <= num_snapshots + 1
+
+
+def causal_conv1d_snapshots(
+    x: torch.Tensor, state: torch.Tensor, snapshots: torch.Tensor, slot: int, position: int
+) -> None:
+    """The conv states after each of ``x``'s first rows (``x [T, C]`` continuing after ``state
+    [C, K - 1]``) into ``snapshots [num_slots, S, C, K - 1]``, as the rule above says."""
+    num_snapshots, width = snapshots.shape[1], state.shape[1]
+    if not takes_snapshots(x.shape[0], num_snapshots):
+        return
+    count = min(x.shape[0], num_snapshots)
+    window = torch.cat((state, x.t().to(state.dtype)), dim=-1)  # [C, K - 1 + T]
+    after = window.unfold(1, width, 1)[:, 1 : count + 1].transpose(0, 1)  # [count, C, K - 1]: after each row
+    snapshots[slot, [(position + t) % num_snapshots for t in range(count)]] = after
+
+
+def _delta_snapshots(q, k, v, g, beta, state, snapshots, slot: int, position: int) -> None:
+    """The recurrent states after each of a sequence's first rows, as the rule above says."""
+    num_snapshots = snapshots.shape[1]
+    if not takes_snapshots(q.shape[0], num_snapshots):
+        return
+    s = state.float()
+    for t in range(min(q.shape[0], num_snapshots)):
+        rows = slice(t, t + 1)
+        _, s = gated_delta_rule_recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], s)
+        snapshots[slot, (position + t) % num_snapshots] = s
 
 
 def gated_delta_decode(
@@ -142,15 +178,20 @@ def gated_delta_prefill(
     slots: torch.Tensor,
     fresh: torch.Tensor,
     out: torch.Tensor,
+    snapshots: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Sequences of any length, sequence ``b`` on rows ``seq_starts[b]:seq_starts[b + 1]``: the
-    chunked form, one sequence at a time."""
+    chunked form, one sequence at a time (and the snapshots, with ``snapshots``)."""
     rep = v.shape[1] // k.shape[1]
     bounds = seq_starts.tolist()
+    starts = positions.tolist() if positions is not None else [0] * len(slots)
     for b, (slot, is_fresh) in enumerate(zip(slots.tolist(), fresh.tolist(), strict=True)):
         rows = slice(bounds[b], bounds[b + 1])
         state = torch.zeros_like(states[slot]) if is_fresh else states[slot]
         qb, kb = q[rows].repeat_interleave(rep, dim=1), k[rows].repeat_interleave(rep, dim=1)
+        if snapshots is not None:
+            _delta_snapshots(qb, kb, v[rows], g[rows], beta[rows], state, snapshots, slot, starts[b])
         o, states[slot] = gated_delta_rule_chunked(qb, kb, v[rows], g[rows], beta[rows], state)
         out[rows] = o
 

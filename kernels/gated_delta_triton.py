@@ -12,6 +12,11 @@ are one unit lower-triangular system ``(I + A) X = R`` (the WY form, as in the r
 by forward substitution, row by row: stable where keys are alike and ``A`` is far from zero (the
 series ``(I - A)(I + A^2)(I + A^4)...``, all matrix products, is exact in theory but loses every
 digit there). The other products run on ``tl.dot`` in IEEE float32, as the reference computes.
+
+With snapshots (speculative decoding's rollback; the rule is ``kernels.gated_delta``'s), a
+sequence of at most ``1 + NSNAP`` rows (one chunk) also stores the state after each of its first
+rows: ``exp(cum_i) S + sum over j <= i of exp(cum_i - cum_j) k_j x_j^T``, the chunk's end-of-chunk
+update stopped at row ``i``, from the same solved ``x``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ def _delta_prefill_kernel(
     fresh_ptr,
     seq_start_ptr,
     out_ptr,
+    snap_ptr,
+    pos_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -109,12 +116,14 @@ def _delta_prefill_kernel(
     stride_oh,
     stride_ss,
     stride_sh,
+    stride_ps,
     REP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,
+    NSNAP: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -128,6 +137,9 @@ def _delta_prefill_kernel(
     s_base = state_ptr + slot * stride_ss + h * stride_sh
     # 0: the state starts at zero, what its slot holds is ignored (until the first chunk writes it)
     carried = (tl.load(fresh_ptr + n) == 0).to(tl.int32)
+    # Snapshots (a verification's length, so its only chunk), ``snap_base`` the slot's first.
+    snap_rows = tl.where(end - start <= NSNAP + 1, end - start, 0)
+    snap_base = snap_ptr + slot * stride_ps + h * stride_sh
     causal = offs_t[:, None] >= offs_t[None, :]
     strict = offs_t[:, None] > offs_t[None, :]
     for c0 in range(start, end, BT):
@@ -181,6 +193,18 @@ def _delta_prefill_kernel(
                         mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)  # fmt: skip
             s_ptrs = s_base + offs_k[:, None] * DV + offs_v[None, :]
             s = tl.where(carried != 0, tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0), 0.0)
+            if NSNAP > 0:  # noqa: SIM102 (a constexpr test: the code is not compiled without snapshots)
+                if snap_rows > 0:
+                    pos = tl.load(pos_ptr + n).to(tl.int64)
+                    for i in tl.static_range(NSNAP):
+                        if i < snap_rows:
+                            cum_i = tl.sum(tl.where(offs_t == i, cum, 0.0), 0)
+                            k_to_i = k * tl.where(offs_t <= i, tl.exp(cum_i - cum), 0.0)[:, None]
+                            snap = s * tl.exp(cum_i) + tl.dot(tl.trans(k_to_i), x, input_precision="ieee")
+                            snap_ptrs = (
+                                snap_base + ((pos + i) % NSNAP) * stride_ss + offs_k[:, None] * DV + offs_v[None, :]
+                            )
+                            tl.store(snap_ptrs, snap, mask=mk[:, None] & mv[None, :])
             k_to_end = k * tl.exp(total - cum)[:, None]
             s = s * tl.exp(total) + tl.dot(tl.trans(k_to_end), x, input_precision="ieee")
             tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
@@ -305,6 +329,8 @@ def gated_delta_prefill(
     slots: torch.Tensor,
     fresh: torch.Tensor,
     out: torch.Tensor,
+    snapshots: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Sequences of any length in one launch; see ``kernels.gated_delta.gated_delta_prefill``."""
     rep, dk, dv = _check(q, k, v, g, beta, states, slots, fresh, out)
@@ -312,10 +338,19 @@ def gated_delta_prefill(
     assert seq_starts.shape == (num_seqs + 1,)
     if not num_seqs:
         return
+    num_snapshots = 0
+    if snapshots is not None:
+        num_snapshots = snapshots.shape[1]
+        assert positions is not None and positions.shape == (num_seqs,)
+        assert (
+            snapshots.shape[2:] == states.shape[1:] and snapshots.is_contiguous() and snapshots.dtype == torch.float32
+        )
+        assert num_snapshots + 1 <= PREFILL_CHUNK  # a verification fits one chunk
     bv = min(PREFILL_BV, max(16, next_pow2(dv)))
     _delta_prefill_kernel[(num_seqs, v.shape[1], cdiv(dv, bv))](
         q, k, v, g, beta, states, slots, fresh.to(torch.int8), seq_starts, out,
-        *_strides(q, k, v, g, beta, states, out),
+        snapshots if snapshots is not None else states, positions if positions is not None else slots,
+        *_strides(q, k, v, g, beta, states, out), snapshots.stride(0) if snapshots is not None else 0,
         REP=rep, DK=dk, DV=dv, BK=min(PREFILL_BK, max(16, next_pow2(dk))), BV=bv, BT=PREFILL_CHUNK,
-        num_warps=PREFILL_WARPS,
+        NSNAP=num_snapshots, num_warps=PREFILL_WARPS,
     )  # fmt: skip

@@ -54,6 +54,12 @@ def start_ranks(
     if model_impl != "native":
         raise ValueError("tensor parallelism needs a native model, not the transformers fallback")
     check_tensor_parallel(model_spec, size)
+    if model_spec.linear_attention is not None and config.num_speculative_tokens:
+        # (rank 0's memory manager rolls its own state back; the other ranks' would run on)
+        raise ValueError(
+            "speculative decoding on a hybrid (linear-attention) model is not served under tensor "
+            "parallelism: a rejected proposal's state rollback is not sent to the other ranks"
+        )
     threads = max(1, torch.get_num_threads() // size)
     if device.type == "cpu":  # the ranks share the cores: more threads each only spin
         log.info("tensor parallelism on CPU: %d torch threads per rank, this process's included", threads)

@@ -28,6 +28,11 @@ per step.
 Under tensor parallelism a linear layer holds its rank's key heads and the value heads grouped
 with them (``LinearAttentionSpec.rank_share``), and its state slots those heads' state; the
 full attention splits its heads and the feed-forward block its intermediate dim, as Llama's.
+
+Speculative decoding: a verification (a decode and its proposals) runs as a prefill of ``1 + k``
+rows, which, with the state cache's snapshots, also leaves the conv and recurrent state after
+each of its rows (``kernels.gated_delta``'s rule); ``HybridMemory.trim`` takes the one after the
+last accepted token back into the slot.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class LinearStep:
     # The prefills' rows: prefill ``b`` on rows ``prefill_starts[b]:prefill_starts[b + 1]`` after
     # the decodes' (int32, on the device; None in a decode-only step).
     prefill_starts: torch.Tensor | None
+    # The prefills' first positions, for the snapshots (on the host, and on the device or None).
+    prefill_positions_host: list[int] | None = None
+    prefill_positions: torch.Tensor | None = None
 
 
 def linear_step(
@@ -98,6 +106,8 @@ def linear_step(
         fresh_host=[s == 0 for s in starts],
         query_lens=meta.query_lens_host,
         prefill_starts=torch.tensor(bounds, dtype=torch.int32, device=slots.device),
+        prefill_positions_host=starts[nd:],
+        prefill_positions=(seq_lens - query_lens)[nd:],
     )
 
 
@@ -192,7 +202,15 @@ class GatedDeltaNet(nn.Module):
             F.linear(x, self.in_proj_a),
         )
 
-    def forward(self, x: torch.Tensor, step: LinearStep, conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: LinearStep,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        conv_snapshots: torch.Tensor | None = None,
+        recurrent_snapshots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         lin = self.lin
         mixed, z, beta_logits, decay_in = self.project(x)
         beta = torch.sigmoid(beta_logits)
@@ -212,11 +230,15 @@ class GatedDeltaNet(nn.Module):
                 rows, slot = slice(row, row + step.query_lens[b]), step.slots_host[b]
                 row = rows.stop
                 conv_state = torch.zeros_like(conv[slot]) if step.fresh_host[b] else conv[slot]
+                if conv_snapshots is not None and step.prefill_positions_host is not None:
+                    position = step.prefill_positions_host[b - nd]
+                    gated_delta.causal_conv1d_snapshots(mixed[nd:][rows], conv_state, conv_snapshots, slot, position)
                 conv_out[rows], conv[slot] = gated_delta.causal_conv1d(mixed[nd:][rows], weight, conv_state)
             q, k, v = self._heads(conv_out)
             self.delta.gated_delta_prefill(
-                q, k, v, g[nd:], beta[nd:], recurrent, step.prefill_starts, step.slots[nd:], step.fresh[nd:], out[nd:]
-            )
+                q, k, v, g[nd:], beta[nd:], recurrent, step.prefill_starts, step.slots[nd:], step.fresh[nd:], out[nd:],
+                snapshots=recurrent_snapshots, positions=step.prefill_positions,
+            )  # fmt: skip
         normed = gated_rms_norm(out, z.view_as(out), self.norm_weight, self.eps)
         return self.tp.row_parallel_linear(normed.reshape(x.shape[0], lin.value_dim), self.out_proj, None)
 
@@ -355,12 +377,12 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         return MLP(self.spec, dtype, device)
 
     # ---- the per-request state (``engine.state_cache``) -------------------------------
-    def state_bytes_per_seq(self) -> int:
-        return self.lin.state_bytes(self.embed_tokens.element_size())
+    def state_bytes_per_seq(self, num_snapshots: int = 0) -> int:
+        return (1 + num_snapshots) * self.lin.state_bytes(self.embed_tokens.element_size())
 
-    def allocate_state(self, num_slots: int, num_blocks: int) -> LinearStateCache:
+    def allocate_state(self, num_slots: int, num_blocks: int, num_snapshots: int = 0) -> LinearStateCache:
         self.state = LinearStateCache.allocate(
-            self.lin, num_slots, num_blocks, self.embed_tokens.dtype, self.embed_tokens.device
+            self.lin, num_slots, num_blocks, self.embed_tokens.dtype, self.embed_tokens.device, num_snapshots
         )
         return self.state
 
@@ -377,7 +399,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if isinstance(mixer, GatedDeltaNet):
                 i = linear_index
                 linear_index += 1
-                x = layer(x, lambda h, m=mixer, i=i: m(h, step, state.conv[i], state.recurrent[i]))
+                x = layer(x, lambda h, m=mixer, i=i: m(h, step, state.conv[i], state.recurrent[i], *state.snapshots(i)))
             else:
                 kv = next(kv_iter)
                 x = layer(x, lambda h, m=mixer, kv=kv: m(h, positions, self.rope, backend, kv))

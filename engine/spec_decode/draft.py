@@ -46,6 +46,11 @@ class DraftModel:
         assert config.model is not None  # SpeculativeConfig checks it for method="draft"
         path = resolve_model_path(config.model, config.revision)
         self.model_spec, impl = load_spec(path)
+        if self.model_spec.linear_attention is not None:
+            raise ValueError(
+                f"speculative_config.model {config.model!r} is a hybrid (linear-attention) model: a draft's "
+                "recurrent state is not kept; use a draft with attention layers only, or method='ngram'"
+            )
         _check_same_vocabulary(config.model, self.model_spec, load_tokenizer(path), target_spec, target_tokenizer)
         limit = self.model_spec.max_position_embeddings
         if limit < max_model_len:

@@ -2,7 +2,8 @@
 against transformers, greedy and token for token in float32, in the engine's conditions: a
 batch of mixed lengths, requests joining mid-flight, preemption under a tight KV cache, chunked
 prefill under a small token budget (the state carried across chunks, chunks mixed with
-decodes), and follow-ups sharing a prefix (prefix caching is off for hybrid models). Every
+decodes), follow-ups sharing a prefix (prefix caching is off for hybrid models), and ngram
+speculative decoding (rejections roll the state back to a snapshot). Every
 engine built here ends with no KV block and no state slot held (``assert_no_leaks``)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.model_config import ModelSpec
 from engine.state_memory import HybridMemory
 from engine.testing import build_tiny_multimodal_qwen3_5
-from tests.engine.helpers import assert_chunked_prefill_steps, assert_no_leaks, model_case, record_steps
+from tests.engine.helpers import assert_chunked_prefill_steps, assert_no_leaks, model_case, record_steps, spy
 from tests.engine.reference import assert_outputs_match, greedy
 
 HYBRID = ["qwen3_5", "qwen3_5_moe"]
@@ -125,10 +126,50 @@ def test_the_transformers_fallback_refuses_linear_attention(tiny_models):
         LLMEngine(config)
 
 
-def test_speculative_decoding_is_refused_with_the_reason(tiny_models):
+# Repetitive prompts and small weights (a tiny random model then falls into loops, with breaks
+# between them): prompt lookup proposes, proposals are accepted and rejected, and a rejection
+# before the request ends rolls its state back to a snapshot.
+SPEC_PROMPTS = [
+    "Seven eight nine ten, seven eight nine ten, seven eight",
+    "A guest asks for the menu and the bill; the waiter brings the menu, then the bill, then",
+    "Tea",
+    "one two three one two three one two three one two",
+    "The chef will bring the soup to the table",
+]
+SPEC_MAX_TOKENS = [30, 40, 20, 36, 30]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_ngram_speculative_decoding_matches_transformers(family, tiny_models, hf_reference, make_llm, monkeypatch):
+    path = tiny_models(family, num_layers=4, init_std=0.005)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_llm(path, speculative_config=ngram)
+    state = llm.engine.kv.state
+    assert state is not None and state.num_snapshots == 3
+    rollbacks = spy(monkeypatch, state, "rollback")
+    outs = llm.generate(SPEC_PROMPTS, greedy(SPEC_MAX_TOKENS, ignore_eos=True))
+    assert_outputs_match(hf_reference(path), SPEC_PROMPTS, SPEC_MAX_TOKENS, outs)
+    stats = llm.engine.stats().spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0, "no proposal was accepted"
+    assert stats.num_accepted_tokens < stats.num_proposed_tokens, "no proposal was rejected"
+    assert rollbacks, "no request went on after a rejection: no state was rolled back"
+
+
+def test_a_hybrid_draft_model_is_refused(tiny_models):
     path, kwargs = model_case(tiny_models, "qwen3_5")
-    config = EngineConfig(path, dtype="float32", device="cpu", speculative_config={"method": "ngram"}, **kwargs)
-    with pytest.raises(ValueError, match="speculative decoding is not served for hybrid"):
+    draft = {"method": "draft", "model": path, "num_speculative_tokens": 2}
+    config = EngineConfig(path, dtype="float32", device="cpu", speculative_config=draft, **kwargs)
+    with pytest.raises(ValueError, match="is a hybrid \\(linear-attention\\) model: a draft's recurrent state"):
+        LLMEngine(config)
+
+
+def test_speculative_decoding_under_tensor_parallelism_is_refused(tiny_models):
+    path, kwargs = model_case(tiny_models, "qwen3_5")
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    config = EngineConfig(
+        path, dtype="float32", device="cpu", tensor_parallel_size=2, speculative_config=ngram, **kwargs
+    )
+    with pytest.raises(ValueError, match="not served under tensor parallelism: a rejected proposal's state rollback"):
         LLMEngine(config)
 
 

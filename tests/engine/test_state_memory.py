@@ -67,11 +67,31 @@ def test_preemption_and_abort_give_the_slot_back():
     _assert_all_free(mem)
 
 
-def test_prefix_caching_is_off_and_speculation_refused():
+def test_prefix_caching_is_off_and_speculation_needs_snapshots():
     state = LinearStateCache.allocate(LIN, 2, 8, torch.float32, torch.device("cpu"))
     mem = make_request_memory(state, speculative=False, enable_caching=True, num_blocks=8, block_size=4)
     assert isinstance(mem, HybridMemory) and not mem.enable_caching
-    with pytest.raises(ValueError, match="speculative decoding is not served"):
+    with pytest.raises(ValueError, match="needs state snapshots to roll back"):
         make_request_memory(state, speculative=True, enable_caching=False, num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match="prefix caching is not served"):
         HybridMemory(8, 4, enable_caching=True, state=state)
+
+
+def test_trim_rolls_the_slot_back_to_the_snapshot_after_the_last_kept_token():
+    state = LinearStateCache.allocate(LIN, 2, 8, torch.float32, torch.device("cpu"), num_snapshots=3)
+    mem = make_request_memory(state, speculative=True, enable_caching=False, num_blocks=8, block_size=4)
+    assert isinstance(mem, HybridMemory) and state.conv_snapshots is not None and state.recurrent_snapshots is not None
+    req = make_request(0, 6, max_tokens=8)
+    assert mem.allocate_slots(req, 10)  # 6 prompt tokens, then a verification of 1 + 3 at positions 6..9
+    slot = mem.state_slot(req.seq_id)
+    assert slot is not None and len(mem.block_ids(req.seq_id)) == 3
+    for position in range(6, 9):  # the states after positions 6, 7 and 8, marked by their position
+        state.conv_snapshots[:, slot, position % 3] = position
+        state.recurrent_snapshots[:, slot, position % 3] = position
+    other = 1 - slot
+    mem.trim(req, 8)  # two tokens of the step kept: positions 6 and 7
+    assert bool((state.conv[:, slot] == 7).all()) and bool((state.recurrent[:, slot] == 7).all())
+    assert bool((state.recurrent[:, other] == 0).all())
+    assert len(mem.block_ids(req.seq_id)) == 2  # the K/V block only the rejected tokens held is freed
+    mem.free(req)
+    _assert_all_free(mem)

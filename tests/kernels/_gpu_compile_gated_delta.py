@@ -26,11 +26,14 @@ from tests.kernels._gpu_compile import _compile, _spill_bytes
 
 # Qwen3.5-9B: linear_num_key_heads 16, linear_num_value_heads 32, key and value head dims 128.
 REP, DK, DV = 2, 128, 128
+# The prefill with speculative decoding's snapshots: its default num_speculative_tokens.
+NSNAP = 4
 
 
 def delta(kind: str, dt: str, arch: int) -> dict:
     """One kernel as the model launches it: q, k and g in float32 (the model computes them so), v,
-    beta and the output in the model's dtype, the states in float32."""
+    beta and the output in the model's dtype, the states in float32; ``prefill_snapshots``: the
+    prefill that also leaves speculative decoding's snapshots."""
     fn = _delta_decode_kernel if kind == "decode" else _delta_prefill_kernel
     types = dict(
         q_ptr="*fp32",
@@ -43,12 +46,14 @@ def delta(kind: str, dt: str, arch: int) -> dict:
         fresh_ptr="*i8",
         seq_start_ptr="*i32",
         out_ptr="*" + dt,
+        snap_ptr="*fp32",
+        pos_ptr="*i64",
     )
     consts: dict[str, int] = dict(REP=REP, DK=DK, DV=DV)
     if kind == "decode":
         consts.update(BK=DK, BV=DECODE_BV)
     else:
-        consts.update(BK=PREFILL_BK, BV=PREFILL_BV, BT=PREFILL_CHUNK)
+        consts.update(BK=PREFILL_BK, BV=PREFILL_BV, BT=PREFILL_CHUNK, NSNAP=NSNAP if kind == "prefill_snapshots" else 0)
     warps = 4 if kind == "decode" else PREFILL_WARPS
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
     k = _compile(fn, types, consts, GPUTarget("cuda", arch, 32), div16=strides, num_warps=warps)
@@ -65,7 +70,8 @@ def conv_update(dt: str, arch: int) -> dict:
 
 
 def main() -> None:
-    results = [delta(kind, dt, arch) for kind in ("decode", "prefill") for dt in ("bf16", "fp32") for arch in (90, 80)]
+    kinds = ("decode", "prefill", "prefill_snapshots")
+    results = [delta(kind, dt, arch) for kind in kinds for dt in ("bf16", "fp32") for arch in (90, 80)]
     results += [conv_update(dt, arch) for dt in ("bf16", "fp32") for arch in (90, 80)]
     print(json.dumps(results))
 

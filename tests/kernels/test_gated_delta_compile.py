@@ -1,5 +1,6 @@
-"""The gated delta rule's kernels compile for real GPUs (sm_90, sm_80) at Qwen3.5-9B's shapes
-without register spills, checked on CPU as ``test_gpu_compile`` does for the other kernels."""
+"""The gated delta rule's kernels (the prefill with and without speculative decoding's
+snapshots) compile for real GPUs (sm_90, sm_80) at Qwen3.5-9B's shapes without register spills,
+checked on CPU as ``test_gpu_compile`` does for the other kernels."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def test_gated_delta_kernels_compile_without_spills():
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["kernel"], r["arch"]) for r in results} == {
-        (f"gated_delta/{kind}", arch) for kind in ("decode", "prefill", "conv_update") for arch in (90, 80)
+        (f"gated_delta/{kind}", arch)
+        for kind in ("decode", "prefill", "prefill_snapshots", "conv_update")
+        for arch in (90, 80)
     }
     for r in results:
         assert r["shared"] <= 100 * 1024, r

@@ -76,3 +76,32 @@ def test_causal_conv1d_matches_transformers_across_chunks_and_decodes():
     torch.testing.assert_close(torch.cat((first, second, step, rest)), ref)
     torch.testing.assert_close(end, state)
     assert torch.equal(state, x[-3:].t())  # the state is the last K - 1 inputs
+
+
+def test_snapshots_are_the_states_after_each_row():
+    """A verification-sized prefill (at most ``1 + S`` rows) leaves the conv and recurrent states
+    after each of its first rows in snapshot ``position % S``; a longer one leaves none."""
+    from kernels import gated_delta
+
+    num_snapshots, position, heads = 3, 7, 2
+    q, k, v, g, beta, state = _inputs(4, heads=heads)
+    q, k = l2_normalise(q), l2_normalise(k)
+    states = state[None].clone()
+    snapshots = torch.full((1, num_snapshots, *state.shape), float("nan"))
+    starts, slot, fresh = torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([False])
+    out = torch.empty_like(v)
+    gated_delta.gated_delta_prefill(q, k, v, g, beta, states, starts, slot, fresh, out, snapshots, torch.tensor([7]))
+    for i in range(num_snapshots):
+        _, want = reference.gated_delta_rule_recurrent(
+            q[: i + 1], k[: i + 1], v[: i + 1], g[: i + 1], beta[: i + 1], state
+        )
+        torch.testing.assert_close(snapshots[0, (position + i) % num_snapshots], want, atol=1e-5, rtol=1e-5)
+    x, conv_state = torch.randn(4, 6), torch.randn(6, 3)
+    conv_snapshots = torch.full((1, num_snapshots, 6, 3), float("nan"))
+    gated_delta.causal_conv1d_snapshots(x, conv_state, conv_snapshots, 0, position)
+    for i in range(num_snapshots):
+        _, want = reference.causal_conv1d(x[: i + 1], torch.randn(6, 4), conv_state)
+        assert torch.equal(conv_snapshots[0, (position + i) % num_snapshots], want)
+    untouched = conv_snapshots.clone()
+    gated_delta.causal_conv1d_snapshots(torch.randn(5, 6), conv_state, conv_snapshots, 0, 0)  # 5 > 1 + S rows
+    assert torch.equal(untouched.nan_to_num(), conv_snapshots.nan_to_num())

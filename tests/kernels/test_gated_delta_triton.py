@@ -89,6 +89,34 @@ def test_prefill_matches_the_reference(dtype, lengths, k_heads, v_heads, dk, dv,
     torch.testing.assert_close(got_states.cpu(), want_states, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_snapshots_match_the_reference(dtype):
+    """Speculative decoding's snapshots: sequences of at most ``1 + S`` rows (verifications, some
+    fresh) leave the state after each of their first rows in snapshot ``position % S`` of their
+    slot; a longer prefill and the other slots leave theirs as they were."""
+    lengths, num_snapshots, k_heads, v_heads, dk, dv = [5, 2, 40, 4], 4, 2, 4, 32, 16
+    tensors = _inputs(sum(lengths), k_heads, v_heads, dk, dv, dtype, seed=9)
+    states = _states(6, v_heads, dk, dv, seed=10)
+    snapshots = torch.randn(6, num_snapshots, v_heads, dk, dv, generator=torch.Generator().manual_seed(11))
+    slots, fresh = torch.tensor([4, 0, 2, 5]), torch.tensor([False, True, False, False])
+    positions = torch.tensor([17, 0, 0, 9])
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    want_states, want_snapshots = states.clone(), snapshots.clone()
+    want = torch.empty(tensors[2].shape, dtype=dtype)
+    ref.gated_delta_prefill(*tensors, want_states, starts, slots, fresh, want, want_snapshots, positions)
+    got_states, got_snapshots = states.to(DEVICE), snapshots.to(DEVICE)
+    got = torch.empty(tensors[2].shape, dtype=dtype, device=DEVICE)
+    triton_delta.gated_delta_prefill(*_on(DEVICE, *tensors), got_states, *_on(DEVICE, starts, slots, fresh), got,
+                                     got_snapshots, positions.to(DEVICE))  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+    torch.testing.assert_close(got_states.cpu(), want_states, **TOL[torch.float32])
+    torch.testing.assert_close(got_snapshots.cpu(), want_snapshots, **TOL[torch.float32])
+    assert not torch.equal(want_snapshots[4], snapshots[4]) and not torch.equal(want_snapshots[0], snapshots[0])
+    untouched = [1, 2, 3]  # no sequence, the 40-row prefill, none
+    assert torch.equal(got_snapshots.cpu()[untouched], snapshots[untouched])
+    assert torch.equal(got_snapshots.cpu()[0, 2:], snapshots[0, 2:])  # 2 rows: snapshots 0 and 1 only
+
+
 def test_prefill_then_decodes_continue_the_recurrence():
     """A prompt prefilled in two chunks, then three decodes, equal the recurrent form run over
     the whole sequence at once: the slot carries the state between launches."""
