@@ -173,11 +173,18 @@ def _percentiles(conn: Connection, job_id: str, column: Any) -> dict[str, float]
     if not n:
         return None
     out = {"mean": float(mean)}
-    for name, q in _QUANTILES.items():
-        rank = min(n - 1, round(q * (n - 1)))
-        out[name] = float(
-            conn.execute(select(column).where(present).order_by(column).offset(rank).limit(1)).scalar_one()
-        )
+    ranks = {name: min(n - 1, round(q * (n - 1))) for name, q in _QUANTILES.items()}
+    # One sort for the three ranks (an OFFSET query per rank sorted a million items three times).
+    ranked = (
+        select(column.label("value"), (func.row_number().over(order_by=column) - 1).label("rank"))
+        .where(present)
+        .subquery()
+    )
+    at_rank = dict(
+        conn.execute(select(ranked.c.rank, ranked.c.value).where(ranked.c.rank.in_(set(ranks.values())))).all()
+    )
+    for name, rank in ranks.items():
+        out[name] = float(at_rank[rank])
     out["max"] = float(top)
     return out
 
