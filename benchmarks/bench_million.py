@@ -100,6 +100,7 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
             workdir, model, max_workers=workers, concurrency=2,
             engine_args={"num_kv_blocks": 1024, "max_num_seqs": 128},
             lease_seconds=30.0, heartbeat_seconds=5.0, sweep_interval_seconds=10.0,
+            shard_size=shard_size,  # the Files API door's (the deployment's default); the CLI passes its own
         )  # fmt: skip
         rss = PeakRss()
         rss.watch("api_server", dep.api.pid if dep.api else 0)
@@ -107,6 +108,7 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
             path = workdir / "input.jsonl"
             with open(path, "w") as f:
                 for line in job_lines(lines, max_tokens=1):
+                    line["body"]["model"] = MODEL  # the Files API door takes the model from the lines
                     f.write(json.dumps(line) + "\n")
             dep.autoscaler.start()
             env = dep.stack.env()

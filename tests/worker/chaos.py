@@ -58,6 +58,14 @@ class FaultRecord:
     detail: str = ""
     stored_at_restore: int = 0
     recovered: float | None = None  # the first moment past ``restored`` when items were stored again
+    # Tokens generated and not stored (``ChaosDeployment.unstored_tokens``) as the fault began,
+    # and as the next one began (or the job ended): the difference is what was computed twice.
+    unstored_before: float = 0.0
+    unstored_after: float | None = None
+
+    @property
+    def tokens_computed_twice(self) -> float | None:
+        return None if self.unstored_after is None else round(self.unstored_after - self.unstored_before, 1)
 
     def as_dict(self, t0: float) -> dict[str, Any]:
         return {
@@ -65,6 +73,7 @@ class FaultRecord:
             "at_s": round(self.started - t0, 2),
             "outage_s": round(self.restored - self.started, 2),
             "recovery_s": None if self.recovered is None else round(self.recovered - self.restored, 2),
+            "tokens_computed_twice": self.tokens_computed_twice,
             "detail": self.detail,
         }
 
@@ -106,6 +115,8 @@ class ChaosDeployment:
                 concurrency=concurrency,
             )  # fmt: skip
             self.metrics_ports: dict[int, int] = {}  # worker pid -> its metrics port
+            # worker pid -> its engine's generated tokens when last scraped (kept once it is gone)
+            self.tokens: dict[int, float] = {}
             self.autoscaler = Autoscaler(DemandReader(self.api_port), trigger, MODEL, self._spawn)  # type: ignore[arg-type]
             self.rng = random.Random(0)
         except BaseException:  # a failed start leaves no server running (pg_ctl's outlives us)
@@ -161,17 +172,39 @@ class ChaosDeployment:
         except Exception:
             return None
 
-    def generated_tokens(self) -> dict[int, float]:
-        """Each live worker's ``conveyor_engine_generated_tokens_total`` (what its engine computed)."""
-        found: dict[int, float] = {}
-        for pod in self.autoscaler.live():
+    def generated_tokens(self, pods: list[Pod] | None = None) -> float:
+        """Every worker's ``conveyor_engine_generated_tokens_total`` (what its engine computed)
+        added up: ``pods`` (all live ones by default) scraped now, the others as last seen. A
+        worker about to be stopped is scraped just before, so that what it computed is known."""
+        for pod in self.autoscaler.live() if pods is None else pods:
             port = self.metrics_ports.get(pod.proc.pid)
             if port is None:
                 continue
             with contextlib.suppress(Exception):
                 samples = scrape(port, timeout=2).find("conveyor_engine_generated_tokens_total")
-                found[pod.proc.pid] = sum(s.value for s in samples)
-        return found
+                self.tokens[pod.proc.pid] = sum(s.value for s in samples)
+        return sum(self.tokens.values())
+
+    def stored_tokens(self, job_id: str) -> int | None:
+        """The completion tokens of the job's stored items; None while the database is down."""
+        try:
+            with self.db.connect() as conn:
+                return int(
+                    conn.execute(
+                        select(func.coalesce(func.sum(Item.completion_tokens), 0)).where(Item.job_id == job_id)
+                    ).scalar_one()
+                )
+        except Exception:
+            return None
+
+    def unstored_tokens(self, job_id: str) -> float:
+        """Tokens the engines generated that are not in a stored item: the ones computed twice
+        (or thrown away) so far, plus those of items finished and not committed yet (at most
+        ``item_commit_interval_seconds`` of work: the noise of one reading)."""
+        generated = self.generated_tokens()
+        while (stored := self.stored_tokens(job_id)) is None:  # the database may be coming back
+            time.sleep(0.2)
+        return generated - stored
 
     def shard_totals(self, job_id: str) -> dict[str, int]:
         with self.db.connect() as conn:
@@ -199,11 +232,13 @@ class ChaosDeployment:
             start = time.monotonic()
             pod = self.rng.choice(live)
             detail = f"pid {pod.proc.pid}"
+            self.generated_tokens([pod])
             if kind == "worker_sigkill":
                 pod.proc.kill9()
             else:  # a spot interruption: the autoscaler's stop, SIGTERM then SIGKILL after the grace period
                 self.autoscaler._terminate(pod)
                 while pod.alive:
+                    self.generated_tokens([pod])  # while it drains
                     self.autoscaler._observe()
                     time.sleep(0.2)
                 detail += " killed after the grace period" if pod.killed else f" drained, exit {pod.returncode}"
@@ -255,7 +290,7 @@ class ChaosRun:
     errors_lines: int
     duplicated: int  # item rows beyond one per custom_id
     lost: int  # lines with no item row
-    tokens_generated: float  # what the workers' metrics counted (last scrape of each worker)
+    tokens_generated: float  # what the workers' engines counted (each scraped last just before it stopped)
     tokens_stored: int
     shards: dict[str, int]
     max_workers_seen: int
@@ -281,7 +316,7 @@ class ChaosRun:
             "errors_lines": self.errors_lines, "duplicated": self.duplicated, "lost": self.lost,
             "exactly_once": self.exactly_once, "tokens_generated": self.tokens_generated,
             "tokens_stored": self.tokens_stored,
-            "tokens_computed_twice": max(0.0, self.tokens_generated - self.tokens_stored),
+            "tokens_computed_twice": round(self.tokens_generated - self.tokens_stored, 1),
             "shards": self.shards, "max_workers_seen": self.max_workers_seen,
             "faults": [f.as_dict(self.t0) for f in self.faults],
         }  # fmt: skip
@@ -324,7 +359,6 @@ def run_job_under_faults(
     t0 = time.monotonic()
     job_id = client.submit(body, MODEL, shard_size=shard_size)["id"]
     faults: list[FaultRecord] = []
-    tokens: dict[int, float] = {}
     max_workers = 0
     pending = list(schedule) if schedule is not None else None
     bag: list[str] = []
@@ -337,7 +371,7 @@ def run_job_under_faults(
     def observe() -> int | None:
         nonlocal max_workers
         stored = dep.stored(job_id)
-        tokens.update(dep.generated_tokens())
+        dep.generated_tokens()
         max_workers = max(max_workers, len(dep.live_workers()))
         for fault in faults:
             if fault.recovered is None and stored is not None and stored > fault.stored_at_restore:
@@ -356,7 +390,11 @@ def run_job_under_faults(
                 bag = dep.rng.sample(FAULTS, len(FAULTS))
             kind = pending.pop(0) if pending is not None else bag.pop()
             log(f"[{now - t0:7.1f} s] fault {kind}, {dep.stored(job_id)} of {n} stored")
+            unstored = dep.unstored_tokens(job_id)
+            if faults:
+                faults[-1].unstored_after = unstored
             fault = dep.inject(kind, max_outage_s=max_outage_s)
+            fault.unstored_before = unstored
             stored = None
             while stored is None:  # the database may still be coming back
                 stored = dep.stored(job_id)
@@ -369,7 +407,8 @@ def run_job_under_faults(
             raise AssertionError(f"job {job_id} not completed after {timeout_s} s: {dep.stored(job_id)} of {n} stored")
         time.sleep(0.5)
     seconds = time.monotonic() - t0
-    tokens.update(dep.generated_tokens())
+    if faults:
+        faults[-1].unstored_after = dep.unstored_tokens(job_id)
     job = client.status(job_id)
     ids = [json.loads(line)["custom_id"] for line in client.result_bytes(job_id)]
     errors = sum(1 for _ in client.result_bytes(job_id, errors=True))
@@ -379,15 +418,12 @@ def run_job_under_faults(
                 select(Item.custom_id, func.count()).where(Item.job_id == job_id).group_by(Item.custom_id)
             ).all()
         )
-        stored_tokens = conn.execute(
-            select(func.coalesce(func.sum(Item.completion_tokens), 0)).where(Item.job_id == job_id)
-        ).scalar_one()
     client.close()
     return ChaosRun(
         job_id=job_id, lines=n, seconds=seconds, faults=faults, status=job["status"],
         request_counts=job["request_counts"], results_in_order=ids == [f"req-{i}" for i in range(n)],
         errors_lines=errors, duplicated=sum(c - 1 for c in per_item.values()),
-        lost=n - len(per_item), tokens_generated=sum(tokens.values()), tokens_stored=int(stored_tokens),
+        lost=n - len(per_item), tokens_generated=dep.generated_tokens(), tokens_stored=dep.stored_tokens(job_id) or 0,
         shards=dep.shard_totals(job_id), max_workers_seen=max_workers, t0=t0,
     )  # fmt: skip
 

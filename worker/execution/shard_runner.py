@@ -71,7 +71,7 @@ from worker.jobs.finalize import finalize_if_ready
 from worker.jobs.output_files import write_shard_parts
 from worker.store.crashes import crash_counts, set_solo_item
 from worker.store.database import make_sessionmaker
-from worker.store.items import ItemRecord, record_finished_items, refresh_job_counts, stored_custom_ids
+from worker.store.items import ItemRecord, record_finished_items, record_shard_counts, stored_custom_ids
 from worker.store.leases import LeaseLost, acquire_lease, heartbeat_lease, new_lease_owner, release_lease
 from worker.store.models import Job, JobStatus, Shard, ShardStatus
 
@@ -534,7 +534,7 @@ class ShardRunner:
                     "lease_lost", self._buffer.stored, "the lease expired before the shard was released"
                 )
             self._released = True
-        refresh_job_counts(ctx.db, self.job_id)
+        record_shard_counts(ctx.db, self.job_id, self.index)
         result = finalize_if_ready(ctx.db, ctx.store, self.job_id, heartbeat_seconds=ctx.settings.heartbeat_seconds)
         return self._outcome(status.value, self._buffer.stored, self._reason, finalized=result is not None)
 

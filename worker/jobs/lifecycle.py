@@ -18,7 +18,6 @@ from worker.jobs import object_keys
 from worker.jobs.finalize import finalize_if_ready, finalize_job
 from worker.jobs.progress import live_batch_object
 from worker.store.database import make_sessionmaker
-from worker.store.items import refresh_job_counts
 from worker.store.models import Job, JobStatus, Shard, ShardStatus, now
 from worker.store.objects.base import ObjectStore
 
@@ -29,21 +28,14 @@ class JobNotFound(LookupError):
 
 
 def get_job(db: Engine, job_id: str, *, refresh: bool = False) -> dict[str, Any]:
-    """The batch object; ``refresh`` recomputes a live job's request counts first, and shows
-    its usage so far and its ``progress`` (``worker.jobs.progress``)."""
+    """The batch object; ``refresh`` shows a live job's request counts, usage so far and
+    ``progress`` counted from its items (``worker.jobs.progress``: one read over them; the
+    stored counts are written as shards finish, not by a status call)."""
     object_keys.check_job_id(job_id)
     with make_sessionmaker(db)() as session:
         job = session.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"no job {job_id}")
-        live = JobStatus(job.status) is JobStatus.in_progress or (
-            JobStatus(job.status) is JobStatus.cancelling and job.finalizing_at is None
-        )
-    if refresh and live:  # not while finalising: updated_at is the finaliser's heartbeat
-        refresh_job_counts(db, job_id)
-    with make_sessionmaker(db)() as session:
-        job = session.get(Job, job_id)
-        assert job is not None
         return live_batch_object(db, job) if refresh else job.as_batch_object()
 
 

@@ -332,6 +332,10 @@ class Shard(Base):
     # Grouped by prefix: the prefix its lines share (``worker.jobs.shard_cut``); a worker that
     # served it prefers a pending shard with the same key, its prefix cache holding it.
     group_key: Mapped[str | None] = mapped_column(String(32))
+    # Its stored items by status, counted when it is released (``record_shard_counts``): the
+    # job's running counts are their sums, so a release reads its own items, not the job's.
+    succeeded_items: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failed_items: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     created_at: Mapped[float] = mapped_column(Double, default=now)
     started_at: Mapped[float | None] = mapped_column(Double)

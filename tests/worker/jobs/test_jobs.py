@@ -9,7 +9,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, update
+from sqlalchemy.engine import Engine
 
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, read_object
 from worker.broker.queues import BrokerUnavailable
@@ -128,6 +129,11 @@ def test_all_lines_invalid_completes_at_submit(embedded_stack) -> None:
     client.close()
 
 
+def _job_wide_item_reads(statements: list[str]) -> int:
+    """Statements that read a job's items without narrowing them to one shard."""
+    return sum(1 for sql in statements if "FROM items" in sql and "items.shard_index =" not in sql)
+
+
 def test_many_shards_finalise_in_input_order_on_postgres_and_s3(pg_url, s3_bucket, tiny_model, tmp_path) -> None:
     from tests.worker.helpers import Stack, make_values
     from worker.store.schema import upgrade_database
@@ -140,8 +146,20 @@ def test_many_shards_finalise_in_input_order_on_postgres_and_s3(pg_url, s3_bucke
         rows.append(line)
         if i % 7 == 3:
             rows.append(b"garbage")
-    job = run_job(stack.settings, jsonl(rows), stack.model, shard_size=1, concurrency=4)
+    statements: list[str] = []
+
+    def capture(_conn, _cursor, statement, _parameters, _context, _many) -> None:
+        statements.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", capture)
+    try:
+        job = run_job(stack.settings, jsonl(rows), stack.model, shard_size=1, concurrency=4)
+    finally:
+        event.remove(Engine, "before_cursor_execute", capture)
     assert job["status"] == "completed" and job["num_shards"] == n
+    # What grows with the job stays per shard: the job-wide reads of its items are the
+    # finaliser's few (counts, usage, percentiles, the results), not one or more per shard.
+    assert 0 < _job_wide_item_reads(statements) < 20
     bad = len(rows) - n
     assert job["request_counts"] == {"total": len(rows), "completed": n, "failed": bad}
     client = Client(stack.settings)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import delete, event, func, select
 
 from worker.store.database import make_sessionmaker
 from worker.store.items import (
     ItemRecord,
     record_finished_items,
+    record_shard_counts,
     refresh_job_counts,
     stored_custom_ids,
     summarize_job,
@@ -65,6 +66,47 @@ def test_request_counts_are_derived_from_items(db_engine) -> None:
         job = session.get(Job, "batch_1")
         assert job is not None
         assert job.status is JobStatus.validating and job.failed_requests == 2
+
+
+def test_a_shard_release_counts_its_own_items_and_sums_the_shards(db_engine) -> None:
+    """What a release reads does not grow with the job: its shard's items, through the
+    (job_id, shard_index) index, and the job's shard rows, never the job's other items."""
+    with make_sessionmaker(db_engine).begin() as session:
+        session.add(Job(id="batch_1", model="m", shard_size=2, total_requests=6, invalid_requests=1))
+        for index in range(3):
+            session.add(Shard(job_id="batch_1", shard_index=index, first_line=1, last_line=6, num_items=2))
+    failed = {"status_code": 400, "error": {"code": "x"}}
+    record_finished_items(
+        db_engine,
+        [
+            _item("a", 1),
+            _item("b", 2, ItemStatus.failed, **failed),
+            ItemRecord(job_id="batch_1", custom_id="c", shard_index=1, line=3, status=ItemStatus.succeeded),
+            ItemRecord(job_id="batch_1", custom_id="d", shard_index=1, line=4, status=ItemStatus.succeeded),
+        ],
+    )
+    assert record_shard_counts(db_engine, "batch_1", 0) == (6, 1, 2)  # shard 1 not released yet
+    with db_engine.begin() as conn:  # shard 0's items gone: a later release must not notice
+        conn.execute(delete(Item).where(Item.shard_index == 0))
+    statements: list[tuple[str, object]] = []
+
+    def capture(_conn, _cursor, statement, parameters, _context, _many) -> None:
+        statements.append((statement, parameters))
+
+    event.listen(db_engine, "before_cursor_execute", capture)
+    try:
+        assert record_shard_counts(db_engine, "batch_1", 1) == (6, 3, 2)
+        assert record_shard_counts(db_engine, "batch_1", 1) == (6, 3, 2)  # redone: the same
+    finally:
+        event.remove(db_engine, "before_cursor_execute", capture)
+    assert len(statements) == 6  # per release: the shard's counts, the job's sums, the answer
+    if db_engine.dialect.name == "sqlite":
+        with db_engine.connect() as conn:
+            for statement, parameters in statements:
+                plan = " | ".join(row[3] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters))
+                for step in plan.split(" | "):
+                    if " items" in step:
+                        assert "INDEX ix_items_job_shard (job_id=? AND shard_index=?)" in step, plan
 
 
 def test_job_renders_as_an_openai_batch_object(db_engine) -> None:
