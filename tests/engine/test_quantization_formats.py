@@ -118,7 +118,7 @@ def test_compressed_tensors_dequantize_as_the_library_decompresses(weights, fmt)
                 "quant_method": "compressed-tensors",
                 "format": "float-quantized",
                 "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}},
-                "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": True},
             },
             "kv_cache_scheme",
         ),
