@@ -12,8 +12,10 @@ same way against transformers rounding ``x / scale`` through e4m3 and back times
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.distributed import parallel_state
+from engine.distributed.parallel_state import ParallelState
+from engine.models.kv_scales import CheckpointKVScales
+from engine.models.llama import Attention
+from engine.models.model_config import ModelSpec
 from engine.quantization import scheme_from_config
 from tests.engine.reference import oracle_model
 
@@ -154,13 +161,17 @@ def write_kv_scaled(src: str, dst: Path, scales: KVScales, strategy: str, tensor
     ``self_attn.k_scale``/``v_scale`` tensors (``tensors``: instead of those)."""
     shutil.copytree(src, dst)
     weights = load_file(dst / "model.safetensors")
-    if tensors is None:
+    if tensors is None and strategy == "kv_scale":  # an older FP8 checkpoint's one scalar for K and V
+        tensors = {f"model.layers.{layer}.self_attn.kv_scale": k.reshape(()) for layer, (k, _) in scales.items()}
+    elif tensors is None:
         tensors = {}
         for layer, (k, v) in scales.items():
             for name, scale in (("k_scale", k), ("v_scale", v)):
                 shaped = scale.reshape(-1, 1, 1) if strategy == "attn_head" else scale.reshape(1)
                 tensors[f"model.layers.{layer}.self_attn.{name}"] = shaped.contiguous()
     save_file({**weights, **tensors}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if strategy == "kv_scale":
+        return str(dst)  # its scale tensors without a quantization_config
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -180,12 +191,17 @@ def kv_maxima(tiny_models):
 
 def _scales(maxima: KVScales, strategy: str) -> KVScales:
     """max|x| / 448: e4m3's whole range used, where a scale of 1 leaves most values subnormal."""
+    if strategy == "kv_scale":
+        both = {layer: torch.maximum(k.max(), v.max()).reshape(1) / 448 for layer, (k, v) in maxima.items()}
+        return {layer: (scale, scale) for layer, scale in both.items()}
     if strategy == "tensor":
         return {layer: (k.max().reshape(1) / 448, v.max().reshape(1) / 448) for layer, (k, v) in maxima.items()}
     return {layer: (k / 448, v / 448) for layer, (k, v) in maxima.items()}
 
 
-@pytest.mark.parametrize("strategy, backend", [("tensor", "torch"), ("attn_head", "torch"), ("attn_head", "triton")])
+@pytest.mark.parametrize(
+    "strategy, backend", [("tensor", "torch"), ("attn_head", "torch"), ("attn_head", "triton"), ("kv_scale", "torch")]
+)
 def test_the_checkpoints_kv_scales_are_applied_within_the_bound(
     tiny_models, make_llm, kv_maxima, tmp_path, strategy, backend
 ):
@@ -248,3 +264,30 @@ def test_kv_scales_that_cannot_be_applied_are_refused_at_load(tiny_models, tmp_p
     checkpoint = write_kv_scaled(tiny_models(family), tmp_path / "scaled", {}, "tensor", tensors=tensors)
     with pytest.raises(ValueError, match=message):
         LLM(checkpoint, kv_cache_dtype="fp8", device="cpu", dtype="float32")
+
+
+def test_each_tensor_parallel_rank_folds_its_kv_heads_scales(tiny_models):
+    # 8 query heads in 2 groups of 4 (KV heads 0 and 1) over 4 ranks of 2 query heads each.
+    spec = dataclasses.replace(ModelSpec.from_pretrained(tiny_models("qwen3")), num_heads=8, num_kv_heads=2)
+    k_scale, v_scale = torch.tensor([0.5, 0.25]), torch.tensor([2.0, 4.0])
+    for rank in range(4):
+        parallel_state.set_state(ParallelState(rank, 4))
+        try:
+            attn = Attention(spec, torch.float32, torch.device("cpu"))
+        finally:
+            parallel_state.reset()
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        model.layers[0].self_attn = attn
+        scales = CheckpointKVScales(spec.num_kv_heads)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert scales.take(f"model.layers.0.self_attn.{name}", _reader(scale))
+        scales.install(model, "fp8")
+        kv_head = rank // 2  # transformers' grouping: query head h attends with KV head h // 4
+        assert attn.kv_scales.k_scale.flatten().tolist() == [k_scale[kv_head]]
+        assert attn.kv_scales.q_factor.flatten().tolist() == [k_scale[kv_head]] * 2
+        assert attn.kv_scales.out_factor.flatten().tolist() == [v_scale[kv_head]] * 2
+
+
+def _reader(tensor: torch.Tensor) -> Callable[[None], torch.Tensor]:
+    return lambda _: tensor
