@@ -77,7 +77,9 @@ class ModelRunner:
         self.device = self.tp.device_for(self.device)
         # Stop the ranks when this runner goes (or the process exits), whatever the path.
         weakref.finalize(self, self.ranks.close)
-        self.model = load_model(model_path, spec, max_model_len, self.dtype, self.device, model_impl)
+        self.model = load_model(
+            model_path, spec, max_model_len, self.dtype, self.device, model_impl, config.cache.kv_cache_dtype
+        )
         sync(self.device)
         startup.weights += time.perf_counter() - begin
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)

@@ -19,6 +19,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import parallel_state
 from engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
+from engine.models.kv_scale_fold import KVScaleFold
 from engine.models.model_config import ModelSpec
 from engine.quantization.kept import linear_device
 from kernels import reference
@@ -125,6 +126,8 @@ class Attention(nn.Module):
         self.o_bias = _param(spec.hidden_size, dtype=dtype, device=device) if spec.o_bias else None
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        # The checkpoint's FP8 KV cache scales, where it has them and the cache is FP8 (``engine.models.kv_scales``).
+        self.kv_scales = KVScaleFold()
 
     def forward(self, x, positions, rope, backend: AttentionBackend, kv_cache):
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
@@ -135,9 +138,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
+        q, k, v = self.kv_scales.fold_in(q, k, v)
         out = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], self.scale, sliding_window=self.sliding_window, softcap=self.softcap
         )
+        out = self.kv_scales.fold_out(out)
         return self.tp.row_parallel_linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
 
 

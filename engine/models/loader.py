@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.distributed.sharding import Shard
 from engine.models import gguf
 from engine.models.bert import BertEncoder
+from engine.models.kv_scales import CheckpointKVScales
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelSpec
 from engine.models.registry import model_class
@@ -140,6 +141,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     model_impl: str = "native",
+    kv_cache_dtype: str = "auto",
 ) -> LlamaForCausalLM | BertEncoder | TransformersCausalLM:
     if model_impl == "transformers":
         return load_transformers_model(path, spec, max_len, dtype, device)
@@ -159,11 +161,12 @@ def load_model(
     slots = model.weight_slots()
     missing = set(slots)
     kept = KeptWeights(model, device)
+    kv_scales = CheckpointKVScales(spec.num_kv_heads)
     for source, checkpoint_name, read in tensors:
         name = model.checkpoint_name(checkpoint_name)
         if name is None:
             continue
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or kv_scales.take(name, read):
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
@@ -183,6 +186,7 @@ def load_model(
         dense.data[offset : offset + rows].copy_(tensor.to(dense.dtype))
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    kv_scales.install(model, kv_cache_dtype)
     kept.install()
     return model.eval()
 

@@ -21,6 +21,7 @@ from engine.quantization.activations import ActivationQuant
 from engine.quantization.base import QuantizedTensor, QuantScheme, check_options, find_by_suffix, refuse
 from engine.quantization.fp8 import dequantize_blocks, fp8_kernel_weight
 from engine.quantization.kernel_weights import Int4Weight, KernelWeight, consecutive_groups
+from engine.quantization.kv_cache_scheme import check_kv_cache_scheme
 from engine.quantization.packing import unpack_int32
 from engine.quantization.w8a8 import W8A8Weight
 
@@ -63,11 +64,14 @@ class CompressedTensorsScheme(QuantScheme):
         status = config.get("quantization_status", "compressed")
         if status != "compressed":
             raise refuse(self.method, "quantization_status", status, "compressed")
-        for option in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        for option in ("sparsity_config", "transform_config"):
             if config.get(option):
                 raise refuse(self.method, option, config[option], "none")
+        kv_cache_scheme = config.get("kv_cache_scheme")
+        if kv_cache_scheme:  # the scales' tensors are the loader's (``engine.models.kv_scales``)
+            check_kv_cache_scheme(self.method, kv_cache_scheme)
         groups = config.get("config_groups") or {}
-        if not groups:
+        if not groups and not kv_cache_scheme:
             raise ValueError(f"quantization {self.method!r}: no config_groups")
         self.formats: set[str] = set()
         self.packed_bits: int | None = None

@@ -128,7 +128,7 @@ def _w8a8(input_activations: dict) -> dict:
                 "quant_method": "compressed-tensors",
                 "format": "float-quantized",
                 "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}},
-                "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": True},
             },
             "kv_cache_scheme",
         ),
