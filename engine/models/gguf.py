@@ -91,7 +91,7 @@ _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # LongRoPE's factors: read into the spec, not weights.
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_TENSORS = gguf_2026.TOP_TENSORS
 
 
 def find_gguf(path: Path) -> Path | None:

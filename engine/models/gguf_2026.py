@@ -46,6 +46,9 @@ import torch
 
 from engine.models.model_config import ModelSpec
 
+# The tensors outside the layers -> transformers' names (``engine.models.gguf`` reads them too).
+TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
 Meta = Callable[..., Any]  # ``meta(key, default)``: the file's ``<arch>.<key>`` field
 Tensors = Iterator[tuple[str, str, torch.Tensor]]  # (file name, transformers name, float32)
 
@@ -364,13 +367,11 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def _names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str] | None:
     """The transformers names a GGUF tensor holds (``None`` for a name we do not know); a layer
     past the decoder's (the multi-token-prediction ones) keeps its GGUF part, for the model to skip."""
-    from engine.models.gguf import _TOP_TENSORS
-
     stem, _, kind = name.rpartition(".")
     if name.startswith("blk.") and name.count(".") == 2:  # a tensor without a suffix (``ssm_a``)
         stem, kind = name, ""
     if not stem.startswith("blk."):
-        hf = _TOP_TENSORS.get(stem)
+        hf = TOP_TENSORS.get(stem)
         return None if hf is None else [f"{hf}.{kind}"]
     _, layer, part = stem.split(".", 2)
     prefix = f"model.layers.{layer}."

@@ -91,7 +91,9 @@ def test_multi_token_prediction_layers_are_skipped(tiny_models, hf_reference, ma
     weights[f"model.layers.{layers}.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     llm = make_llm(str(copy))
-    assert sum(isinstance(m, GroupedSigmoidMoE) for m in llm.engine.runner.model.modules()) == layers - 1  # layer 0 dense
+    assert (
+        sum(isinstance(m, GroupedSigmoidMoE) for m in llm.engine.runner.model.modules()) == layers - 1
+    )  # layer 0 dense
     outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert_outputs_match(hf_reference(str(path)), PROMPTS, MAX_TOKENS, outs)
     weights["model.layers.0.mlp.stray.weight"] = torch.zeros(4, 4)
