@@ -103,7 +103,8 @@ def test_prefill_snapshots_match_the_reference(dtype):
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     want_states, want_snapshots = states.clone(), snapshots.clone()
     want = torch.empty(tensors[2].shape, dtype=dtype)
-    ref.gated_delta_prefill(*tensors, want_states, starts, slots, fresh, want, want_snapshots, positions)
+    q, k, v, g, beta = tensors
+    ref.gated_delta_prefill(q, k, v, g, beta, want_states, starts, slots, fresh, want, want_snapshots, positions)
     got_states, got_snapshots = states.to(DEVICE), snapshots.to(DEVICE)
     got = torch.empty(tensors[2].shape, dtype=dtype, device=DEVICE)
     triton_delta.gated_delta_prefill(*_on(DEVICE, *tensors), got_states, *_on(DEVICE, starts, slots, fresh), got,
