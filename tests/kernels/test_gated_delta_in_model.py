@@ -87,7 +87,7 @@ def test_speculative_decoding_on_the_cuda_path_rolls_the_state_back(tiny_models,
         "one two three one two three one two three one two",
         "The chef will bring the soup to the table",
     ]
-    max_tokens = [40, 36, 30]
+    max_tokens = [20, 18, 16]  # (the interpreter runs every kernel: few tokens, rejections and acceptances still)
     outs = llm.generate(prompts, greedy(max_tokens, ignore_eos=True))
     assert_outputs_match(HFReference(path), prompts, max_tokens, outs)
     stats = llm.engine.stats().spec_decode
