@@ -355,3 +355,57 @@ def write_released_gpt_oss(src: str | Path, dst: Path) -> Path:
     )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+# Each format's ``quantization_config`` and quantizer, as a tiny checkpoint is written in it.
+FORMATS: dict[str, Callable[[], tuple[dict, Quantizer]]] = {
+    "fp8-block": lambda: (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 32]},
+        fp8_block((16, 32)),
+    ),
+    "fp8-tensor-static": lambda: (
+        {"quant_method": "fp8", "activation_scheme": "static"},
+        with_input_scale(fp8_tensor),
+    ),
+    "fp8-tensor-dynamic": lambda: ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_tensor),
+    "awq": lambda: (
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+        awq_gemm(32),
+    ),
+    "gptq-sym": lambda: (
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
+        gptq(32, sym=True, desc_act=False),
+    ),
+    "gptq-asym-desc-act": lambda: (
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True},
+        gptq(32, sym=False, desc_act=True),
+    ),
+    "ct-w4a16": lambda: compressed_tensors(
+        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
+        "pack-quantized",
+    ),
+    "ct-w4a16-asym": lambda: compressed_tensors(
+        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}},
+        "pack-quantized",
+    ),
+    "ct-w8a8-fp8-channel": lambda: compressed_tensors(
+        {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        },
+        "float-quantized",
+    ),
+    "ct-w8a8-fp8-tensor-static": lambda: static_inputs(
+        compressed_tensors(
+            {
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+            },
+            "float-quantized",
+        )
+    ),
+    "ct-w8a16-fp8-channel": lambda: compressed_tensors(
+        {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}},
+        "float-quantized",
+    ),
+}

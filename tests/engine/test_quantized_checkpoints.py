@@ -8,8 +8,6 @@ and a mixture of experts run on one FP8 and one int4 checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -18,63 +16,11 @@ from engine.quantization.kept import QuantizedLinearWeight
 from engine.quantization.w8a8 import W8A8Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.helpers import assert_no_leaks
+from tests.engine.quantized_checkpoints import FORMATS
 from tests.engine.reference import assert_outputs_match, greedy, oracle_model
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours", "Tea", "A"]
 MAX_TOKENS = [16, 9, 20, 12]
-
-FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
-    "fp8-block": lambda: (
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 32]},
-        qc.fp8_block((16, 32)),
-    ),
-    "fp8-tensor-static": lambda: (
-        {"quant_method": "fp8", "activation_scheme": "static"},
-        qc.with_input_scale(qc.fp8_tensor),
-    ),
-    "fp8-tensor-dynamic": lambda: ({"quant_method": "fp8", "activation_scheme": "dynamic"}, qc.fp8_tensor),
-    "awq": lambda: (
-        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-        qc.awq_gemm(32),
-    ),
-    "gptq-sym": lambda: (
-        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
-        qc.gptq(32, sym=True, desc_act=False),
-    ),
-    "gptq-asym-desc-act": lambda: (
-        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True},
-        qc.gptq(32, sym=False, desc_act=True),
-    ),
-    "ct-w4a16": lambda: qc.compressed_tensors(
-        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
-        "pack-quantized",
-    ),
-    "ct-w4a16-asym": lambda: qc.compressed_tensors(
-        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}},
-        "pack-quantized",
-    ),
-    "ct-w8a8-fp8-channel": lambda: qc.compressed_tensors(
-        {
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
-        },
-        "float-quantized",
-    ),
-    "ct-w8a8-fp8-tensor-static": lambda: qc.static_inputs(
-        qc.compressed_tensors(
-            {
-                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
-            },
-            "float-quantized",
-        )
-    ),
-    "ct-w8a16-fp8-channel": lambda: qc.compressed_tensors(
-        {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}},
-        "float-quantized",
-    ),
-}
-
 
 # A per-tensor dynamic input scale is the max over the whole step's batch (as in vLLM): the
 # oracle's batches (one prompt, then a token a step) are matched by serving one request at a time.

@@ -7,8 +7,6 @@ file's bytes. A layout no kernel serves (GPTQ's activation order) stays dequanti
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,44 +16,22 @@ from engine.quantization import kept
 from engine.quantization.kept import QuantizedLinearWeight
 from engine.quantization.kernel_weights import Q4KWeight, Q8_0Weight
 from tests.engine import quantized_checkpoints as qc
+from tests.engine.quantized_checkpoints import FORMATS
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours", "A"]
 MAX_TOKENS = [8, 5, 6]
 
-FORMATS: dict[str, Callable[[], tuple[dict, qc.Quantizer]]] = {
-    "fp8-block": lambda: (
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 32]},
-        qc.fp8_block((16, 32)),
-    ),
-    "fp8-tensor": lambda: (
-        {"quant_method": "fp8", "activation_scheme": "static"},
-        qc.with_input_scale(qc.fp8_tensor),
-    ),
-    "awq": lambda: (
-        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-        qc.awq_gemm(32),
-    ),
-    "gptq-sym": lambda: (
-        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
-        qc.gptq(32, sym=True, desc_act=False),
-    ),
-    "ct-w4a16-asym": lambda: qc.compressed_tensors(
-        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}},
-        "pack-quantized",
-    ),
-    "ct-w8a16-fp8-channel": lambda: qc.compressed_tensors(
-        {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}},
-        "float-quantized",
-    ),
-    "ct-w8a8-fp8-channel-token": lambda: qc.compressed_tensors(
-        {
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
-        },
-        "float-quantized",
-    ),
-}
+# The formats whose layouts the GEMM kernels serve (``FORMATS``' keys).
+KEPT_FORMATS = [
+    "fp8-block",
+    "fp8-tensor-static",
+    "awq",
+    "gptq-sym",
+    "ct-w4a16-asym",
+    "ct-w8a16-fp8-channel",
+    "ct-w8a8-fp8-channel",
+]
 
 
 @pytest.fixture
@@ -68,7 +44,7 @@ def _linears(llm) -> list[QuantizedLinearWeight]:
 
 
 @pytest.mark.usefixtures("keep_on_cpu")
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", KEPT_FORMATS)
 def test_kept_weights_answer_as_transformers_on_the_stored_weights(
     fmt, tiny_models, tmp_path_factory, hf_reference, make_llm
 ):
