@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.gpu_check.environment import describe
 from benchmarks.gpu_check.runner import CheckRun
-from benchmarks.gpu_check.steps import plan
+from benchmarks.gpu_check.steps import DRY_RUN_SLACK, plan
 
 # The whole run, start to end, on a GPU: a 15-minute loan holds a machine start, this run
 # and a second, shorter call for what it found.
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--work", type=Path, default=None, help="models and compile caches (default: a temp directory)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
-    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=None, help=f"seconds for the whole run (default {BUDGET_S:.0f})")
     ap.add_argument("--only", nargs="+", default=None, help="run only these steps (a second, shorter call)")
     ap.add_argument("--commit", default=None, help="the commit under test, recorded with the results")
     args = ap.parse_args(argv)
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or ()) - {s.name for s in steps}
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; the steps are {[s.name for s in steps]}")
+    if args.budget is None:
+        args.budget = BUDGET_S * (DRY_RUN_SLACK if args.dry_run else 1)
     summary = {"dry_run": args.dry_run, "budget_s": args.budget, "environment": describe(args.commit)}
     run = CheckRun(args.out, args.budget, env, summary)
     begin = time.monotonic()

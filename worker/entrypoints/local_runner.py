@@ -18,7 +18,7 @@ from worker.entrypoints.client import Client, InputSource
 from worker.execution.context import WorkerContext
 from worker.execution.dependency_gate import DependencyUnavailable
 from worker.execution.engine_host import EngineHost
-from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
+from worker.execution.shard_runner import ANOTHER_HOLDS_IT, RetryShard, ShardOutcome, run_shard
 from worker.jobs.finalize import finalize_if_ready
 from worker.store.items import ItemRecord
 from worker.store.models import JobStatus
@@ -37,14 +37,23 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def _run_with_retries(ctx: WorkerContext, job_id: str, index: int) -> ShardOutcome:
+    """Until the shard is done. A lease lost (its heartbeats starved on a loaded machine, or
+    the database away for longer than the lease) or held by another process means no broker
+    will bring the shard back here: try again, which resumes it once the lease is free, or
+    finds it finished by whoever held it."""
     while True:
         try:
-            return run_shard(ctx, job_id, index)
+            outcome = run_shard(ctx, job_id, index)
         except RetryShard as exc:
             log.warning("shard %d failed (%s); retrying", index, exc)
-            time.sleep(RETRY_SECONDS)
         except DependencyUnavailable as exc:
             log.warning("%s; still waiting", exc)  # no broker to hand it back to: wait on
+            continue
+        else:
+            if outcome.status != "lease_lost" and outcome.reason != ANOTHER_HOLDS_IT:
+                return outcome
+            log.warning("shard %d: %s; trying again", index, outcome.reason or outcome.status)
+        time.sleep(RETRY_SECONDS)
 
 
 def run_job(

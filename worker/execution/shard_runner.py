@@ -110,6 +110,9 @@ class _Order:
     owner: str = ""  # the job's API key id ("" for none): the engine host shares the engine between owners
 
 
+ANOTHER_HOLDS_IT = "another worker holds the lease"
+
+
 @dataclass(frozen=True)
 class ShardOutcome:
     job_id: str
@@ -308,7 +311,7 @@ class ShardRunner:
         """Not our lease: another worker runs it, or it is done (then maybe the job is)."""
         status = ShardStatus(self._shard().status)
         if status in (ShardStatus.pending, ShardStatus.running):
-            return self._outcome("skipped", reason="another worker holds the lease")
+            return self._outcome("skipped", reason=ANOTHER_HOLDS_IT)
         result = finalize_if_ready(
             self.ctx.db, self.ctx.store, self.job_id, heartbeat_seconds=self.ctx.settings.heartbeat_seconds
         )
