@@ -18,7 +18,8 @@
   running shards finish until the hand-back time, then give back what is left (their
   leases released) so the tasks end within ``--drain-timeout``, and Celery exits 0. The
   idle watch ends an idle worker the same way, by sending the process SIGTERM.
-- ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``.
+- ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``. A teardown
+  still running at the drain deadline is cut short there: the process exits 0 on time.
 
 And one consumer bootstep, ``BrokerReconnected``: each time the consumer connects to the
 broker again after losing it, the sweeper runs at once (``AppState.broker_reconnected``).
@@ -31,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from celery import Celery, bootsteps, signals
@@ -220,6 +222,18 @@ def _on_worker_shutting_down(sig: Any = None, how: Any = None, **_: Any) -> None
         "in %.0f s; exiting within %.0f s (--drain-timeout)",
         sig, drain.hand_back_at - drain.started_at, timeout,
     )  # fmt: skip
+    threading.Thread(target=_exit_at, args=(drain.deadline,), name="conveyor-drain-deadline", daemon=True).start()
+
+
+def _exit_at(deadline: float) -> None:
+    """Keep the promise of ``--drain-timeout`` (Kubernetes' grace period is sized from it): by
+    the deadline the shards have handed back and released their leases; what may still be
+    running is Celery's and the engine's teardown, which a loaded machine can stretch for
+    seconds. Past the deadline the process ends here (0: nothing was lost)."""
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    log.warning("conveyor worker: the drain timeout has passed; exiting now, before the rest of the teardown")
+    logging.shutdown()  # flush the log handlers: os._exit skips them
+    os._exit(0)
 
 
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
