@@ -38,7 +38,10 @@ def tiny_models(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark what is not pure (services, subprocess, gpu, slow): ``tests/markers.py`` decides."""
+    """Mark what is not pure (services, subprocess, gpu, slow): ``tests/markers.py`` decides;
+    and start the longest files first (``tests/xdist_order.py``)."""
     from tests.markers import apply
+    from tests.xdist_order import longest_first
 
     apply(items)
+    longest_first(items)
