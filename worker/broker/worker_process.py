@@ -43,7 +43,7 @@ from worker.broker.intake_lane import IntakeLane
 from worker.broker.queues import enqueue_finalize, enqueue_intake, enqueue_shards, queue_depth
 from worker.core.periodic import Periodic
 from worker.core.settings import ConfigError
-from worker.execution.process_state import Phase
+from worker.execution.process_state import Drain, Phase, ProcessState
 from worker.execution.snapshots import SnapshotWriter
 from worker.jobs.expiry import expire_due_jobs
 from worker.jobs.sweeper import Sweeper
@@ -222,15 +222,21 @@ def _on_worker_shutting_down(sig: Any = None, how: Any = None, **_: Any) -> None
         "in %.0f s; exiting within %.0f s (--drain-timeout)",
         sig, drain.hand_back_at - drain.started_at, timeout,
     )  # fmt: skip
-    threading.Thread(target=_exit_at, args=(drain.deadline,), name="conveyor-drain-deadline", daemon=True).start()
+    threading.Thread(
+        target=_exit_by_deadline, args=(ctx.state, drain), name="conveyor-drain-deadline", daemon=True
+    ).start()
 
 
-def _exit_at(deadline: float) -> None:
-    """Keep the promise of ``--drain-timeout`` (Kubernetes' grace period is sized from it): by
-    the deadline the shards have handed back and released their leases; what may still be
-    running is Celery's and the engine's teardown, which a loaded machine can stretch for
-    seconds. Past the deadline the process ends here (0: nothing was lost)."""
-    time.sleep(max(0.0, deadline - time.monotonic()))
+def _exit_by_deadline(state: ProcessState, drain: Drain) -> None:
+    """Keep the promise of ``--drain-timeout`` (Kubernetes' grace period is sized from it). By
+    the deadline the shards have handed back and released their leases; what may still run is
+    Celery's and the engine's teardown, which a loaded machine can stretch for seconds: the
+    process ends here instead (0: nothing was lost). A task still releasing gets one more
+    margin, as long as the hand-back had, so a lease is not left to expire for want of a commit."""
+    time.sleep(max(0.0, drain.deadline - time.monotonic()))
+    last_chance = drain.deadline + (drain.deadline - drain.hand_back_at)
+    while state.running_tasks and time.monotonic() < last_chance:
+        time.sleep(0.05)
     log.warning("conveyor worker: the drain timeout has passed; exiting now, before the rest of the teardown")
     logging.shutdown()  # flush the log handlers: os._exit skips them
     os._exit(0)

@@ -97,6 +97,11 @@ class ProcessState:
             if self._busy == 0:
                 self._idle_since = time.monotonic()
 
+    @property
+    def running_tasks(self) -> int:
+        with self._lock:
+            return self._busy
+
     def idle_seconds(self) -> float:
         """How long no task has run in this process (0 while one runs); the clock starts at
         ``ready``, so loading the model never counts as idle."""
