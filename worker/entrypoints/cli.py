@@ -403,6 +403,9 @@ def cmd_results(args: argparse.Namespace) -> int:
                 return
             last[0] = time.monotonic()
             job = client.status(args.job)
+            if not num_shards:
+                print(f"conveyor: waiting for the job's intake ({job['status']})", file=sys.stderr, flush=True)
+                return
             text = progress_text(job) or job["status"]
             print(f"conveyor: waiting for shard {index + 1} of {num_shards}: {text}", file=sys.stderr, flush=True)
 

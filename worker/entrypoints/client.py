@@ -296,12 +296,17 @@ class Client:
     def _follow_shards(
         self, job_id: str, poll: float, on_wait: Callable[[int, int], None] | None = None
     ) -> Iterator[tuple[int, bool]]:
+        """Each shard's index as it ends. While the job's input is still being taken in (a batch
+        created through the API or the broker: intake runs on a worker) its shards are not known
+        yet: wait for them rather than end with nothing; an intake that fails the job raises."""
         done = (ShardStatus.completed, ShardStatus.failed, ShardStatus.cancelled)
         index = 0
         while True:
             with self.db.connect() as conn:
-                num = conn.execute(select(Job.num_shards).where(Job.id == job_id)).scalar_one()
-                if index >= num:
+                num, status = conn.execute(select(Job.num_shards, Job.status).where(Job.id == job_id)).one()
+                if JobStatus(status) is JobStatus.failed and not num:
+                    raise JobFailed(f"job {job_id} failed during intake: conveyor status {job_id} says why")
+                if index >= num and JobStatus(status) is not JobStatus.validating:
                     return
                 row = conn.execute(
                     select(Shard.status, Shard.output_uri).where(Shard.job_id == job_id, Shard.shard_index == index)

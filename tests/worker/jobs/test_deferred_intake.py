@@ -11,7 +11,7 @@ from sqlalchemy import func, select, update
 
 from tests.worker.helpers import assert_each_request_once, jsonl, openai_lines, parse_lines, wait_for
 from worker.broker.queues import enqueue_intake
-from worker.entrypoints.client import Client
+from worker.entrypoints.client import Client, JobFailed
 from worker.execution.context import WorkerContext
 from worker.execution.shard_runner import run_shard
 from worker.jobs import object_keys
@@ -210,4 +210,45 @@ def test_a_worker_recovers_a_job_whose_intake_message_was_lost(embedded_stack, s
     assert_each_request_once(client, db, done, n)
     assert "1 intakes sent again" in worker.log()
     db.dispose()
+    client.close()
+
+
+def test_following_a_job_still_in_intake_waits_for_its_shards(embedded_stack) -> None:
+    """``results --follow`` right after a batch is created through the API or the broker, while a
+    worker has yet to take its input in: the follower waits for the shards (it once ended at
+    once with nothing, exit 0); an intake that fails the job makes it raise with the reason."""
+    client = Client(embedded_stack.settings)
+    options = SubmitOptions(model=embedded_stack.model, shard_size=2)
+    job, _ = create_job(client.db, client.store, client.settings, _stored(client, openai_lines(5)), options)
+    followed: list[bytes] = []
+    reader = threading.Thread(target=lambda: followed.extend(client.result_bytes(job["id"], follow=True, poll=0.05)))
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive() and not followed, "the follower ended before the job's input was taken in"
+    ingest_job(client.db, client.store, client.settings, job["id"], enqueue=None)
+    ctx = WorkerContext.create(embedded_stack.settings)
+    for index in range(3):
+        assert run_shard(ctx, job["id"], index).status == "completed"
+    reader.join(30)
+    assert not reader.is_alive()
+    assert [r["custom_id"] for r in parse_lines(line.decode() for line in followed)] == [f"req-{i}" for i in range(5)]
+
+    doomed, _ = create_job(
+        client.db, client.store, client.settings, _stored(client, openai_lines(1), "u/gone.jsonl"), options
+    )
+    client.store.delete("u/gone.jsonl")
+    failures: list[Exception] = []
+
+    def follow_doomed() -> None:
+        try:
+            list(client.result_bytes(doomed["id"], follow=True, poll=0.05))
+        except JobFailed as exc:
+            failures.append(exc)
+
+    doomed_reader = threading.Thread(target=follow_doomed)
+    doomed_reader.start()
+    ingest_job(client.db, client.store, client.settings, doomed["id"], enqueue=None)  # fails: input_not_found
+    doomed_reader.join(30)
+    assert not doomed_reader.is_alive() and len(failures) == 1 and doomed["id"] in str(failures[0])
+    ctx.close()
     client.close()
