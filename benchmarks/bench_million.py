@@ -1,12 +1,13 @@
 """A job of many short lines (1,000,000 by default) end to end on private PostgreSQL, Redis and S3
-(moto) instances with a tiny random-weight engine (the engine is not what is measured): through
-``conveyor submit`` or the Files API upload (``--door``), then ``conveyor results -o``.
+(moto) instances with a trivial engine (the engine is not what is measured): through ``conveyor
+submit`` or the Files API upload (``--door``), with ``conveyor results --follow -o`` writing the
+results as they come from the start, then ``conveyor results -o`` once the job has ended.
 
 Reported per run: the time of each phase (submit, intake, run, finalisation, results download;
 intake, run and finalisation from the job's own timestamps) and the peak resident memory of the
 submitting process, the API server, each worker (the finaliser is the worker that runs the last
-shard's finalisation) and the results download, sampled every 0.2 s from /proc, children
-included. Job-path speed: lines over the run phase, for each worker count in ``--workers``.
+shard's finalisation), the follower and the results download, sampled every 0.2 s from /proc,
+children included. Job-path speed: lines over the run phase, for each worker count in ``--workers``.
 
     PYTHONPATH=. python benchmarks/bench_million.py --lines 100000 --workers 1,2
     PYTHONPATH=. python benchmarks/bench_million.py --lines 1000000 --workers 1 --door files
@@ -132,6 +133,13 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
                 rss.watch("submitter", os.getpid())  # the SDK runs in this process
                 job_id = _submit_files_api(dep, path)
                 submit_s = time.monotonic() - t_submit
+            # ``conveyor results --follow`` from the start: it writes each shard's lines as the
+            # shard finishes and exits when the job ends (its peak memory is reported too).
+            follower = subprocess.Popen(
+                [*cli, "results", job_id, "--follow", "-o", str(workdir / "follow.jsonl")],
+                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            rss.watch("results_follow", follower.pid)
             while True:
                 for pod in dep.autoscaler.pods:
                     rss.watch(f"worker_{dep.autoscaler.pods.index(pod)}", pod.proc.pid)
@@ -148,6 +156,11 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
                 first, last = conn.execute(
                     select(func.min(Item.finished_at), func.max(Item.finished_at)).where(Item.job_id == job_id)
                 ).one()
+            _, follow_err = follower.communicate(timeout=600)
+            if follower.returncode != 0:
+                raise RuntimeError(f"results --follow exited {follower.returncode}: {follow_err.decode()[-2000:]}")
+            with open(workdir / "follow.jsonl", "rb") as f:
+                followed = sum(1 for _ in f)
             results_s, _ = _timed([*cli, "results", job_id, "-o", str(workdir / "out.jsonl")], env, rss, "results")
             with open(workdir / "out.jsonl", "rb") as f:
                 answered = sum(1 for _ in f)
@@ -156,7 +169,7 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
             run_s = (job.finalizing_at or job.completed_at or started) - started
             return {
                 "lines": lines, "workers": workers, "door": door, "status": str(job.status),
-                "answered": answered,
+                "answered": answered, "answered_by_follow": followed,
                 "phases_s": {
                     "submit": round(submit_s, 2),
                     "intake": round(started - job.created_at, 2),
