@@ -33,6 +33,7 @@ from engine.distributed.sharding import Shard, WeightSlot, split
 from engine.models.llama import Attention, DecoderLayer, FeedForward, LlamaForCausalLM, RMSNorm, _param
 from engine.models.model_config import ModelSpec
 from engine.models.moe import SparseMoE, fused_moe_kernel
+from engine.quantization.kept import linear_device
 from kernels.reference import ClampedSwiGLU, Mxfp4Weight
 
 
@@ -86,14 +87,18 @@ class GptOssExperts(FeedForward):
         e, inter, hidden = moe.num_experts, self.intermediate_size, spec.hidden_size
         self.router_weight = _param(e, hidden, dtype=dtype, device=device)
         self.router_bias = _param(e, dtype=dtype, device=device)
-        self.gate_up = _param(e, hidden, 2 * inter, dtype=dtype, device=device)
-        self.gate_up_bias = _param(e, 2 * inter, dtype=dtype, device=device)
-        self.down = _param(e, inter, hidden, dtype=dtype, device=device)
-        self.down_bias = _param(e, hidden, dtype=dtype, device=device)
         # The experts' path, as ``SparseMoE`` picks it (the tests force it with that class's switch).
         use_fused = SparseMoE.use_fused_kernel
         if use_fused is None:
             use_fused = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+        # Loading a quantized checkpoint, the fused kernel's experts start on the meta device: kept
+        # in MXFP4 they never exist as floats (gpt-oss-120b's are 4x larger so), and given
+        # memory only should they stay dequantized (``engine.quantization.kept``).
+        experts_at = linear_device(torch.device(device)) if use_fused else device
+        self.gate_up = _param(e, hidden, 2 * inter, dtype=dtype, device=experts_at)
+        self.gate_up_bias = _param(e, 2 * inter, dtype=dtype, device=device)
+        self.down = _param(e, inter, hidden, dtype=dtype, device=experts_at)
+        self.down_bias = _param(e, hidden, dtype=dtype, device=device)
         self.fused = use_fused
         self.fused_moe = fused_moe_kernel(torch.device(device)) if use_fused else None
         self.activation = ClampedSwiGLU(self.alpha, self.limit)

@@ -129,13 +129,13 @@ class KeptWeights:
         self.keeps_all = keeps_quantized(device)
         self.one_rank = parallel_state.current().world_size == 1
         self.expert_places: dict[int, tuple[nn.Module, str]] = {}
-        experts_kept = self.keeps_all and self.one_rank
+        self.experts_kept = self.keeps_all and self.one_rank
         for module in model.modules():
             for name in getattr(module, "quantized_linears", ()):
                 param = module._parameters.get(name)
                 if param is not None:
                     self.places[id(param)] = (module, name)
-            for name in getattr(module, "quantized_experts", ()) if experts_kept else ():
+            for name in getattr(module, "quantized_experts", ()):
                 param = module._parameters.get(name)
                 if param is not None:
                     self.expert_places[id(param)] = (module, name)
@@ -152,10 +152,14 @@ class KeptWeights:
         ``shard``, rows ``offset`` onwards of ``target``): it reads no float copy. Otherwise the
         tensor the loader fills with the floats (``target``, or the memory given a meta one)."""
         key = id(target)
+        if key in self.allocated:
+            return self.allocated[key]
         if key in self.expert_places:
-            return None if self._took_experts(key, target, offset, read) else target
+            if self.experts_kept and self._took_experts(key, target, offset, read):
+                return None
+            return self._given_memory(key, *self.expert_places[key])
         if key not in self.places:
-            return self.allocated.get(key, target)
+            return target
         w8a8 = getattr(read, "quantizes_activations", False)
         if (not self.keeps_all and not w8a8) or (w8a8 and not self.one_rank):
             return self._dequantized(key)
@@ -178,7 +182,7 @@ class KeptWeights:
             module, name = self.expert_places[key]
             target = module._parameters.pop(name)
             assert target is not None
-            setattr(module, name, KeptExpertsWeight(experts, target.dtype, target.device))
+            setattr(module, name, KeptExpertsWeight(experts, target.dtype, self.device))
             self.kept += 1
         return self.kept
 
@@ -206,7 +210,14 @@ class KeptWeights:
     def _dequantized(self, key: int) -> torch.Tensor:
         """The weight stays dequantized: given memory if it was built on the meta device, and
         the pieces taken so far read as floats into it."""
-        module, name = self.places.pop(key)
+        weight = self._given_memory(key, *self.places.pop(key))
+        for p in self.pieces.pop(key, []):
+            weight.data[p.offset : p.offset + p.kernel.rows].copy_(p.read(p.shard).to(weight.dtype))
+        return weight
+
+    def _given_memory(self, key: int, module: nn.Module, name: str) -> torch.Tensor:
+        """The parameter, with memory on this device if it was built on the meta device (then
+        the loader's later pieces of it go there too)."""
         weight = module._parameters[name]
         assert weight is not None
         if weight.is_meta:
@@ -215,14 +226,13 @@ class KeptWeights:
             )
             module._parameters[name] = weight
             self.allocated[key] = weight
-        for p in self.pieces.pop(key, []):
-            weight.data[p.offset : p.offset + p.kernel.rows].copy_(p.read(p.shard).to(weight.dtype))
         return weight
 
 
 def deferred_linears(active: bool) -> contextlib.AbstractContextManager[None]:
-    """While a model is built: its ``quantized_linears`` made on the meta device (``linear_device``)
-    when ``active``, so that loading a quantized checkpoint never holds them dequantized whole."""
+    """While a model is built: its ``quantized_linears`` (and the fused kernel's
+    ``quantized_experts``) made on the meta device (``linear_device``) when ``active``, so that
+    loading a quantized checkpoint never holds them dequantized whole."""
     return _deferring(active)
 
 

@@ -107,8 +107,21 @@ def test_experts_kept_in_mxfp4_on_the_fused_kernel(released, hf_reference, make_
 
     monkeypatch.setattr(kept, "KEEP_ON_CPU", True)
     monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)
+    # The experts never exist as floats while loading: built on the meta device, each taken as
+    # its MXFP4 blocks (gpt-oss-120b's bf16 experts would need four cards just to be built).
+    taken: list[tuple[bool, bool]] = []
+    take = kept.KeptWeights.take
+
+    def watched_take(self, target, offset, rows, read, shard):
+        dense = take(self, target, offset, rows, read, shard)
+        if id(target) in self.expert_places:
+            taken.append((target.is_meta, dense is None))
+        return dense
+
+    monkeypatch.setattr(kept.KeptWeights, "take", watched_take)
     llm = make_llm(released, dtype="float32", attention_backend="triton")
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, GptOssExperts)]
+    assert taken and taken == [(True, True)] * len(taken) and len(taken) == 2 * len(experts)
     weights = [w for m in experts for w in (m.gate_up, m.down) if isinstance(w, kept.KeptExpertsWeight)]
     assert experts and len(weights) == 2 * len(experts)
     assert not any(isinstance(p, kept.KeptExpertsWeight) for p in llm.engine.runner.model.parameters())

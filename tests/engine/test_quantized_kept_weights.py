@@ -165,3 +165,27 @@ def test_a_kept_weight_multiplies_through_f_linear_only():
     torch.testing.assert_close(F.linear(x, weight, bias), F.linear(x, dequantized, bias), atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match=r"serves F\.linear only"):
         _ = weight + 1
+
+
+def test_experts_built_on_the_meta_device_get_memory_when_they_stay_dequantized():
+    """Where the experts cannot stay in MXFP4 (here the CPU path; on a GPU, tensor parallelism),
+    the meta experts a quantized load builds get memory at their first piece, and every later
+    piece of them lands in that same memory."""
+    from torch import nn
+
+    class Experts(nn.Module):
+        quantized_experts = ("gate_up",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = nn.Parameter(torch.empty(2, 4, 6, device="meta"), requires_grad=False)
+
+    model = Experts()
+    meta = model.gate_up
+    keeper = kept.KeptWeights(model, torch.device("cpu"))
+    assert not keeper.experts_kept
+    first = keeper.take(meta, 0, 1, object(), None)
+    assert first is not None and not first.is_meta and first.device.type == "cpu"
+    assert model.gate_up is first and keeper.take(meta, 1, 1, object(), None) is first
+    first.data[0:2].fill_(1.0)
+    assert keeper.install() == 0 and torch.equal(model.gate_up, torch.ones(2, 4, 6))
