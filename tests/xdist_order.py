@@ -3,8 +3,8 @@
 xdist hands out files in collection order, and a process that picks up a long file near the end
 runs it alone while the others sit idle. Starting the longest files first (the classic longest
 processing time rule) lets the processes finish together. The list is measured: each file's
-total seconds in ``pytest --junitxml`` on the 2-core machine, longest first; a file not named
-keeps its place after them. Refresh it from CI's ``--durations`` when the long files change.
+total seconds in ``pytest --junitxml`` on the 2-core machine with a cold Triton cache, longest
+first; a file not named keeps its place after them. Refresh it from CI's ``--durations`` when the long files change.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import pytest
 
 LONGEST_FIRST: tuple[str, ...] = (
     "tests/worker/entrypoints/test_autoscaling.py",  # 204 s
-    "tests/kernels/test_gated_delta_compile.py",  # 150 s
     "tests/worker/faults/test_poison_item.py",  # 115 s
     "tests/benchmarks/test_gpu_check.py",  # 113 s
     "tests/engine/test_correctness.py",  # 93 s
     "tests/engine/test_tensor_parallel.py",  # 90 s
-    "tests/worker/faults/test_storage_outage.py",  # 70 s
     "tests/engine/test_quantized_checkpoints.py",  # 75 s
     "tests/worker/faults/test_faults.py",  # 69 s
     "tests/engine/test_gguf.py",  # 69 s
     "tests/worker/broker/test_drain.py",  # 68 s
     "tests/worker/broker/test_broker_submission.py",  # 60 s
+    "tests/kernels/test_gated_delta_compile.py",  # 60 s (262 s before it compiled the prefills in bf16 only)
     "tests/kernels/test_gpu_compile.py",  # 56 s
+    "tests/worker/faults/test_storage_outage.py",  # 56 s (204 s with its 180 s outage)
     "tests/worker/faults/test_chaos.py",  # 55 s
     "tests/worker/faults/test_database_outage.py",  # 47 s
     "tests/worker/api/test_api.py",  # 47 s
