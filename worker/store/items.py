@@ -86,34 +86,13 @@ def refresh_job_counts(engine: Engine, job_id: str) -> tuple[int, int, int]:
     ``failed`` = lines rejected at validation (``invalid_requests``) + failed items. Safe to
     call any time from any worker: it derives, never increments.
     """
-    completed = (
-        select(func.count())
-        .select_from(Item)
-        .where(Item.job_id == job_id, Item.status == ItemStatus.succeeded)
-        .scalar_subquery()
-    )
-    failed = (
-        select(func.count())
-        .select_from(Item)
-        .where(Item.job_id == job_id, Item.status == ItemStatus.failed)
-        .scalar_subquery()
-    )
     with engine.begin() as conn:
-        conn.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(
-                completed_requests=completed,
-                failed_requests=Job.invalid_requests + failed,
-                updated_at=now(),
-            )
+        return _set_job_counts(
+            conn,
+            job_id,
+            completed=_count_items(Item.job_id == job_id, Item.status == ItemStatus.succeeded),
+            failed=_count_items(Item.job_id == job_id, Item.status == ItemStatus.failed),
         )
-        row = conn.execute(
-            select(Job.total_requests, Job.completed_requests, Job.failed_requests).where(Job.id == job_id)
-        ).one_or_none()
-    if row is None:
-        raise LookupError(f"no job {job_id!r}")
-    return int(row[0]), int(row[1]), int(row[2])
 
 
 def _count_items(*where: Any) -> Any:
@@ -122,6 +101,22 @@ def _count_items(*where: Any) -> Any:
 
 def _sum_over_shards(job_id: str, column: Any) -> Any:
     return select(func.coalesce(func.sum(column), 0)).where(Shard.job_id == job_id).scalar_subquery()
+
+
+def _set_job_counts(conn: Connection, job_id: str, *, completed: Any, failed: Any) -> tuple[int, int, int]:
+    """Set the job's request counts (``failed`` adds the lines rejected at validation); returns
+    (total, completed, failed) as stored."""
+    conn.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(completed_requests=completed, failed_requests=Job.invalid_requests + failed, updated_at=now())
+    )
+    row = conn.execute(
+        select(Job.total_requests, Job.completed_requests, Job.failed_requests).where(Job.id == job_id)
+    ).one_or_none()
+    if row is None:
+        raise LookupError(f"no job {job_id!r}")
+    return int(row[0]), int(row[1]), int(row[2])
 
 
 def record_shard_counts(engine: Engine, job_id: str, shard_index: int) -> tuple[int, int, int]:
@@ -143,21 +138,12 @@ def record_shard_counts(engine: Engine, job_id: str, shard_index: int) -> tuple[
                 failed_items=_count_items(*this_shard, Item.status == ItemStatus.failed),
             )
         )
-        conn.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(
-                completed_requests=_sum_over_shards(job_id, Shard.succeeded_items),
-                failed_requests=Job.invalid_requests + _sum_over_shards(job_id, Shard.failed_items),
-                updated_at=now(),
-            )
+        return _set_job_counts(
+            conn,
+            job_id,
+            completed=_sum_over_shards(job_id, Shard.succeeded_items),
+            failed=_sum_over_shards(job_id, Shard.failed_items),
         )
-        row = conn.execute(
-            select(Job.total_requests, Job.completed_requests, Job.failed_requests).where(Job.id == job_id)
-        ).one_or_none()
-    if row is None:
-        raise LookupError(f"no job {job_id!r}")
-    return int(row[0]), int(row[1]), int(row[2])
 
 
 _TIMINGS = {"queue_time": Item.queue_time, "ttft": Item.ttft, "tpot": Item.tpot, "e2e": Item.e2e}
