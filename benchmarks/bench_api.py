@@ -40,12 +40,12 @@ from typing import Any
 import httpx2 as httpx
 
 from benchmarks.common import write_results
-from worker.core.settings import Settings
-from worker.store.api_keys import create_key
-from worker.store.database import create_db_engine
-from worker.store.models import WorkerState
-from worker.store.schema import ensure_schema, upgrade_database
-from worker.store.workers import register_worker, set_worker_state
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.store.api_keys import create_key
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import WorkerState
+from conveyor.worker.store.schema import ensure_schema, upgrade_database
+from conveyor.worker.store.workers import register_worker, set_worker_state
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
@@ -86,7 +86,15 @@ class Server:
             db.dispose()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "worker.entrypoints.cli", "serve", "--port", str(self.port), "--no-access-log"]
+        argv = [
+            sys.executable,
+            "-m",
+            "conveyor.worker.entrypoints.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--no-access-log",
+        ]
         argv += ["--loglevel", "warning"]
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60

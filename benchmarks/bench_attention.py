@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import RESULTS, copy_bandwidth_gbs, gpu_tag, graph_replay_ms, median_ms
-from kernels.interpreter import kernel_device
-from kernels.utils import cdiv
+from conveyor.kernels.interpreter import kernel_device
+from conveyor.kernels.utils import cdiv
 
 DEVICE = "cuda"
 
@@ -53,7 +53,7 @@ def bench_decode(
     """One decode batch's attention: ours (automatic, unsplit and forced split counts) and SDPA
     on dense KV, timed. ``device``: ``cpu`` runs the kernels in the interpreter (dry runs)."""
     # Imported here: it imports Triton, which is optional (main() says so when there is no GPU).
-    from kernels.triton_ops import decode_num_kv_splits, paged_attention
+    from conveyor.kernels.triton_ops import decode_num_kv_splits, paged_attention
 
     dev = torch.device(device)
     group = num_q_heads // num_kv_heads

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, bench_model, gpu_tag, write_results
-from engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
 
 SIZES: dict[str, int] = dict(
     hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, max_position_embeddings=4096

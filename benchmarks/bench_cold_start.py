@@ -18,9 +18,9 @@ from typing import Any
 
 from benchmarks.bench_continuous_batching import SIZES
 from benchmarks.common import bench_model, write_results
-from engine.bench import format_cold_start, run_cold_start
-from worker.core.settings import Settings
-from worker.execution.context import engine_config
+from conveyor.engine.bench import format_cold_start, run_cold_start
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.execution.context import engine_config
 
 
 def main() -> None:

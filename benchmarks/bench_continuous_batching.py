@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import bench_model, write_results
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 
 def workload(n: int, seed: int, out_lo: int, out_hi: int, vocab: int) -> tuple[list[list[int]], list[int]]:

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import bench_model, gpu_tag, interpret_kernels_without_gpu, write_results
-from engine import LLM, SamplingParams
-from kernels.utils import cdiv
+from conveyor.engine import LLM, SamplingParams
+from conveyor.kernels.utils import cdiv
 
 PROMPT_TOKENS = 32
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager": LLM(str(model), enforce_eager=True, **common),
     }
     if dry:
-        from engine.cuda_graphs import CallingGraph
+        from conveyor.engine.cuda_graphs import CallingGraph
 
         engines["graphs"].engine.runner.capture_decode_graphs(graph_factory=CallingGraph)
     assert engines["graphs"].engine.runner.graphs is not None

@@ -46,12 +46,12 @@ import psycopg
 import uvicorn
 
 from benchmarks.common import write_results
-from engine.testing import build_tiny_model
-from worker.api.app import create_app
-from worker.core.settings import Settings
-from worker.store.api_keys import create_key
-from worker.store.database import create_db_engine
-from worker.store.schema import upgrade_database
+from conveyor.engine.testing import build_tiny_model
+from conveyor.worker.api.app import create_app
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.store.api_keys import create_key
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.schema import upgrade_database
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
@@ -123,7 +123,7 @@ class Stack:
         db.dispose()
         self.log = open(root / "worker.log", "wb")  # noqa: SIM115
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "worker.entrypoints.cli", "worker", "--concurrency=2", "--loglevel=INFO"],
+            [sys.executable, "-m", "conveyor.worker.entrypoints.cli", "worker", "--concurrency=2", "--loglevel=INFO"],
             env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.port = free_port()

@@ -9,7 +9,7 @@ concurrency is how many requests of a given context fit in what an 80 GB card ha
 the weights at ``gpu_memory_utilization`` 0.9 (activations and the CUDA context left out:
 the same for both).
 
-Throughput: the tiny random-weight Qwen3.5 checkpoint (``engine.testing``), float32 on CPU,
+Throughput: the tiny random-weight Qwen3.5 checkpoint (``conveyor.engine.testing``), float32 on CPU,
 greedy decode of one sequence in our engine and in transformers' ``generate``, and a batch of
 8 in the engine. Writes benchmarks/results/hybrid.json.
 
@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.common import machine_info, write_results
-from engine.models.model_config import ModelSpec
+from conveyor.engine.models.model_config import ModelSpec
 
 GIB = 2**30
 CARD_BYTES = 80 * 10**9
@@ -62,7 +62,7 @@ QWEN3_8B = {
 
 
 def _weights_bytes(spec: ModelSpec) -> int:
-    from engine.models.registry import model_class
+    from conveyor.engine.models.registry import model_class
 
     with torch.device("meta"):
         model = model_class(spec)(spec, 16, torch.bfloat16, torch.device("meta"))
@@ -92,8 +92,8 @@ def memory_figures(contexts: list[int]) -> dict:
 def decode_throughput(new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.testing import build_tiny_model
+    from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+    from conveyor.engine.testing import build_tiny_model
 
     path = build_tiny_model("/tmp/conveyor-bench-qwen3_5", "qwen3_5", num_layers=4)
     prompt = list(range(10, 42))

@@ -21,10 +21,10 @@ from typing import Any
 from sqlalchemy import text
 
 from benchmarks.common import write_results
-from worker.store.database import create_db_engine, make_sessionmaker
-from worker.store.item_totals import item_totals
-from worker.store.items import record_shard_counts, refresh_job_counts, summarize_job
-from worker.store.models import Base, Job, JobStatus
+from conveyor.worker.store.database import create_db_engine, make_sessionmaker
+from conveyor.worker.store.item_totals import item_totals
+from conveyor.worker.store.items import record_shard_counts, refresh_job_counts, summarize_job
+from conveyor.worker.store.models import Base, Job, JobStatus
 
 JOB = "batch_bench"
 

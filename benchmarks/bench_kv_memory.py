@@ -29,8 +29,8 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, bench_model, write_results
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.config import kv_block_bytes
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.config import kv_block_bytes
 
 
 def main() -> None:

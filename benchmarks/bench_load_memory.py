@@ -31,8 +31,8 @@ from benchmarks.common import bench_model, write_results
 def _child(path: str, mode: str) -> None:
     import torch
 
-    from engine.models import loader
-    from engine.quantization import kept
+    from conveyor.engine.models import loader
+    from conveyor.engine.quantization import kept
 
     kept.KEEP_ON_CPU = True
     if mode == "dense-first":  # the old load: linears built dequantized, each filled with floats, then packed

@@ -31,9 +31,9 @@ from typing import Any
 from sqlalchemy import func, select
 
 from benchmarks.common import bench_model, write_results
+from conveyor.worker.store.models import Item, Job
 from tests.worker.chaos import MODEL, ChaosDeployment, job_lines
 from tests.worker.helpers import PYTHON, REPO
-from worker.store.models import Item, Job
 
 
 def _tree_rss_kib(pid: int) -> int:
@@ -123,7 +123,7 @@ def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) ->
                     f.write(json.dumps(line) + "\n")
             dep.autoscaler.start()
             env = dep.stack.env()
-            cli = [PYTHON, "-m", "worker.entrypoints.cli"]
+            cli = [PYTHON, "-m", "conveyor.worker.entrypoints.cli"]
             t_submit = time.monotonic()
             if door == "cli":
                 argv = [*cli, "submit", str(path), "--model", MODEL, "--shard-size", str(shard_size), "--json"]

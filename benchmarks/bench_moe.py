@@ -1,5 +1,5 @@
-"""MoE feed-forward benchmark: the fused Triton kernel (``kernels.fused_moe``) vs the
-token-sorted torch path (``engine.models.moe.moe_sorted``), one layer's experts.
+"""MoE feed-forward benchmark: the fused Triton kernel (``conveyor.kernels.fused_moe``) vs the
+token-sorted torch path (``conveyor.engine.models.moe.moe_sorted``), one layer's experts.
 
     python -m benchmarks.bench_moe                                # both shapes, 1 .. 4096 tokens
     python -m benchmarks.bench_moe --shapes qwen3-moe --tokens 1 8 64 --dtype float16
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import gpu_tag, graph_replay_ms, interpret_kernels_without_gpu, median_ms, write_results
-from engine.models.moe import moe_sorted, route
-from kernels.interpreter import kernel_device
+from conveyor.engine.models.moe import moe_sorted, route
+from conveyor.kernels.interpreter import kernel_device
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _bench(fn) -> float:
 
 
 def run_shape(name: str, shape: MoEShape, tokens: list[int], dtype: torch.dtype, device: str = "cuda") -> list[dict]:
-    from kernels.fused_moe import choose_tiles, fused_moe
+    from conveyor.kernels.fused_moe import choose_tiles, fused_moe
 
     g = torch.Generator(device=device).manual_seed(0)
     e, h, i = shape.experts, shape.hidden, shape.inter

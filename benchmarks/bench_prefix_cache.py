@@ -16,7 +16,7 @@ import random
 import time
 
 from benchmarks.common import bench_model, write_results
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 
 def run(path, prompts, caching: bool, policy: str) -> dict:

@@ -5,7 +5,7 @@ system prompt, a few long documents), in prefix order and shuffled, a job is run
 (``shard_order="prefix"``) and in input order through 1, 2 and 4 workers on CPU. A worker is a
 ``WorkerContext`` of its own (its own engine and prefix cache) in this process, whose threads
 take shard messages from one queue as a broker would hand them out, each message a turn
-(``worker.execution.shard_turns``: the affinity included). Reported per run: prefill tokens
+(``conveyor.worker.execution.shard_turns``: the affinity included). Reported per run: prefill tokens
 computed (prompt tokens less those served from the prefix cache) against the ideal (each
 distinct prefix computed once: the token prefix tree of all prompts, in whole KV blocks), wall
 time and items/s. Then intake alone (no engine): the time and peak memory to validate and
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 from benchmarks import prefix_shapes as shapes
 
 if TYPE_CHECKING:
-    from worker.entrypoints.client import Client
-    from worker.execution.context import WorkerContext
+    from conveyor.worker.entrypoints.client import Client
+    from conveyor.worker.execution.context import WorkerContext
 
 BLOCK = 16  # the engine's default KV block: a prefix is cached in whole blocks
 SHARD_SIZE = 10  # the default job here is ~100 lines: 10 a shard gives every worker several
@@ -84,9 +84,9 @@ def prompt_ids(ctx: WorkerContext, shape: shapes.Shape) -> list[list[int]]:
 def run_one(client: Client, workers: list[WorkerContext], shape: shapes.Shape, order: str) -> dict[str, Any]:
     from sqlalchemy import func, select
 
-    from worker.execution.shard_turns import run_next_shard
-    from worker.jobs.lifecycle import get_job
-    from worker.store.models import Item
+    from conveyor.worker.execution.shard_turns import run_next_shard
+    from conveyor.worker.jobs.lifecycle import get_job
+    from conveyor.worker.store.models import Item
 
     data = b"".join(json.dumps(line).encode() + b"\n" for line in shape.lines)
     began = time.perf_counter()
@@ -133,10 +133,10 @@ def run_one(client: Client, workers: list[WorkerContext], shape: shapes.Shape, o
 
 def run_engines(root: Path, scale: int) -> list[dict[str, Any]]:
     # Imported here: the intake children measure their peak memory without torch loaded.
-    from engine.testing import build_tiny_model
-    from worker.core.settings import Settings
-    from worker.entrypoints.client import Client
-    from worker.execution.context import WorkerContext
+    from conveyor.engine.testing import build_tiny_model
+    from conveyor.worker.core.settings import Settings
+    from conveyor.worker.entrypoints.client import Client
+    from conveyor.worker.execution.context import WorkerContext
 
     model = build_tiny_model(root / "tiny-llama", "llama", max_position_embeddings=8192)
     values: dict[str, Any] = {
@@ -178,11 +178,11 @@ def _peak_rss_mb() -> float:
 
 def intake_child(lines: int, order: str, root: str) -> None:
     """One intake in this (fresh) process: prints its seconds and peak RSS."""
-    from worker.batchio.prefix_signature import grouping_key
-    from worker.batchio.records import InputFormat
-    from worker.core.limits import InputLimits
-    from worker.jobs.intake import Grouping, ingest
-    from worker.store.objects.local import LocalStore
+    from conveyor.worker.batchio.prefix_signature import grouping_key
+    from conveyor.worker.batchio.records import InputFormat
+    from conveyor.worker.core.limits import InputLimits
+    from conveyor.worker.jobs.intake import Grouping, ingest
+    from conveyor.worker.store.objects.local import LocalStore
 
     path = Path(root) / "input.jsonl"
     base = _peak_rss_mb()

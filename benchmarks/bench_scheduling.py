@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import RESULTS, bench_model, write_results
-from engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
 
 CONFIGS: dict[str, dict] = {
     "fcfs": {"scheduling_policy": "fcfs"},

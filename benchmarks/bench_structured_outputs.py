@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.bench_continuous_batching import SIZES
 from benchmarks.common import bench_model, write_results
-from engine import LLM, SamplingParams, StructuredOutputs
-from engine.structured_outputs import StructuredOutputManager
+from conveyor.engine import LLM, SamplingParams, StructuredOutputs
+from conveyor.engine.structured_outputs import StructuredOutputManager
 
 _S = {"type": "string", "maxLength": 16}
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -4,7 +4,7 @@ side by side on one machine in one run.
 
 The workload is nano-vllm's ``bench.py``: random token ids below 10,000, prompt and output
 lengths each uniform in 100..1024, EOS ignored, temperature 0.6. The model has Qwen3-0.6B's
-shape with random weights (``engine.testing.REAL_SHAPES``). Static batching runs the sequences
+shape with random weights (``conveyor.engine.testing.REAL_SHAPES``). Static batching runs the sequences
 in arrival order, ``--static-batch`` at a time, each batch to its longest output; only the
 tokens each sequence asked for count. Each system runs in its own process, so one model and
 one cache hold the GPU at a time, and gets its own time limit: whichever finish are reported.
@@ -36,7 +36,7 @@ import torch
 from transformers import StoppingCriteria
 
 from benchmarks.common import RESULTS, gpu_tag, machine_info
-from engine.testing import DRY_RUN_SHAPE, build_shaped_model, shaped_model_dir
+from conveyor.engine.testing import DRY_RUN_SHAPE, build_shaped_model, shaped_model_dir
 
 SHAPE = "qwen3-0.6b"
 SYSTEMS = ("engine", "hf_static", "hf_continuous")
@@ -121,7 +121,7 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # The systems, each run in a child process: ``--system NAME --workload FILE --result FILE``.
 def run_engine(model: str, work: Workload, device: str, dtype: str, full: Workload | None) -> dict[str, Any]:
-    from engine import LLM
+    from conveyor.engine import LLM
 
     begin = time.perf_counter()
     llm = LLM(model, dtype=dtype, device=device, max_model_len=2048)
@@ -146,7 +146,7 @@ def run_engine(model: str, work: Workload, device: str, dtype: str, full: Worklo
 
 
 def _engine_generate(llm, work: Workload) -> dict[str, Any]:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in work.max_tokens]
     _sync()

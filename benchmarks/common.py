@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.testing import build_tiny_model
-from kernels.interpreter import enable_interpreter
+from conveyor.engine.testing import build_tiny_model
+from conveyor.kernels.interpreter import enable_interpreter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -33,7 +33,7 @@ def child(size: str, requests: int, max_output: int, uniform: int, cpu_threads: 
     """One timed run in this process, against whichever tree PYTHONPATH names; JSON on stdout."""
     from benchmarks.bench_continuous_batching import SIZES, run_engine, workload
     from benchmarks.common import bench_model
-    from engine import LLM
+    from conveyor.engine import LLM
 
     model_dir = bench_model(**SIZES[size])
     llm = LLM(str(model_dir), dtype="float32", device="cpu", cpu_threads=cpu_threads)

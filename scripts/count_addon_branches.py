@@ -13,10 +13,10 @@ below; ``spec`` as an attribute (``self.spec``, the model's ``ModelSpec`` on old
 and ``model_spec`` do not count as speculative decoding. A branch is counted once, for the
 first add-on it matches, in the order below.
 
-The core files: ``engine/scheduler.py``, ``engine/llm_engine.py``, ``engine/model_runner.py``
-and, where it exists, ``engine/batch.py`` (the batch builder split out of the runner). The
-modules where add-ons plug in (``engine/executors.py``, the row hooks, ``engine/spec_decode``,
-the waiting queues) are the seams, not the core; ``--seams`` counts ``engine/executors.py``
+The core files: ``conveyor/engine/scheduler.py``, ``conveyor/engine/llm_engine.py``, ``conveyor/engine/model_runner.py``
+and, where it exists, ``conveyor/engine/batch.py`` (the batch builder split out of the runner). The
+modules where add-ons plug in (``conveyor/engine/executors.py``, the row hooks, ``conveyor/engine/spec_decode``,
+the waiting queues) are the seams, not the core; ``--seams`` counts ``conveyor/engine/executors.py``
 too, for reference.
 
     python scripts/count_addon_branches.py                 # the working tree
@@ -145,12 +145,21 @@ class _Visitor(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+# Where the package lives: under conveyor/ now, at the top level in revisions before the move.
+PACKAGE_ROOTS = ("conveyor/", "")
+
+
 def read(rev: str, path: str) -> str | None:
-    if rev == WORKTREE:
-        file = ROOT / path
-        return file.read_text() if file.exists() else None
-    done = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout if done.returncode == 0 else None
+    for where in PACKAGE_ROOTS:
+        if rev == WORKTREE:
+            file = ROOT / where / path
+            if file.exists():
+                return file.read_text()
+            continue
+        done = subprocess.run(["git", "show", f"{rev}:{where}{path}"], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode == 0:
+            return done.stdout
+    return None
 
 
 def count(rev: str, paths: tuple[str, ...] = CORE) -> Count:

@@ -7,6 +7,7 @@ or not, so a circle cannot be hidden behind a function-level import either.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,30 +15,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = "conveyor"  # the one importable package; its parts below
 PACKAGES = ("engine", "kernels", "worker")
 
 # worker/'s layers, lowest first: each may import only the layers before it (and itself).
 WORKER_LAYERS = ("core", "store", "batchio", "jobs", "execution", "metrics", "broker", "api", "entrypoints")
 # Modules directly under worker/ that only give public names their historic paths
-# (``celery -A worker.app``, ``from worker.client import Client``): they sit above every layer.
-WORKER_PUBLIC_PATHS = {"worker", "worker.app", "worker.client"}
+# (``celery -A conveyor.worker.app``, ``from conveyor.worker.client import Client``): they sit above every layer.
+WORKER_PUBLIC_PATHS = {"conveyor.worker", "conveyor.worker.app", "conveyor.worker.client"}
 
 # The HTTP stack: only the api layer (and the entrypoints that start it) may use it.
 HTTP = {"fastapi", "starlette", "uvicorn", "python_multipart"}
 
 # Third-party packages a layer must not use, so its job stays its own.
 FORBIDDEN = {
-    "engine": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "botocore", "pydantic_settings", *HTTP},
-    "kernels": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "transformers", *HTTP},
-    "worker.core": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
-    "worker.store": {"torch", "celery", "kombu", *HTTP},
-    "worker.batchio": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
-    "worker.jobs": {"torch", "celery", "kombu", *HTTP},
-    "worker.execution": {"celery", "kombu", *HTTP},
-    "worker.metrics": {"torch", "celery", "kombu", *HTTP},
-    "worker.broker": HTTP,
+    "conveyor.engine": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "botocore", "pydantic_settings", *HTTP},
+    "conveyor.kernels": {"celery", "kombu", "sqlalchemy", "alembic", "boto3", "transformers", *HTTP},
+    "conveyor.worker.core": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
+    "conveyor.worker.store": {"torch", "celery", "kombu", *HTTP},
+    "conveyor.worker.batchio": {"torch", "celery", "kombu", "sqlalchemy", "boto3", *HTTP},
+    "conveyor.worker.jobs": {"torch", "celery", "kombu", *HTTP},
+    "conveyor.worker.execution": {"celery", "kombu", *HTTP},
+    "conveyor.worker.metrics": {"torch", "celery", "kombu", *HTTP},
+    "conveyor.worker.broker": HTTP,
     # The API serves requests: it never loads a model.
-    "worker.api": {"torch", "transformers"},
+    "conveyor.worker.api": {"torch", "transformers"},
 }
 
 
@@ -54,7 +56,13 @@ def module_name(path: Path) -> str:
 
 
 def first_party_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / NAMESPACE / pkg).rglob("*.py"))}
+
+
+def part_of(module: str) -> str:
+    """The part (engine, kernels, worker) a ``conveyor.<part>...`` module belongs to; else its top name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == NAMESPACE and len(parts) > 1 else parts[0]
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -108,8 +116,8 @@ def worker_layer(module: str) -> int | None:
     """The layer index of a ``worker.<layer>...`` module; None for the public paths."""
     if module in WORKER_PUBLIC_PATHS:
         return None
-    parts = module.split(".")
-    assert parts[0] == "worker" and len(parts) >= 2, module
+    parts = module.split(".")[1:]
+    assert module.startswith(f"{NAMESPACE}.worker.") and len(parts) >= 2, module
     assert parts[1] in WORKER_LAYERS, (
         f"{module} is not in a layer: worker/ holds only the layer packages {WORKER_LAYERS} "
         f"and the public paths {sorted(WORKER_PUBLIC_PATHS)}"
@@ -121,9 +129,9 @@ def layering_violations(graph: dict[str, list[Import]]) -> list[str]:
     first_party = set(graph)
     problems = []
     for module, imports in graph.items():
-        top = module.partition(".")[0]
+        top = part_of(module)
         for imp in imports:
-            target_top = imp.target.partition(".")[0]
+            target_top = part_of(imp.target)
             where = f"{module}:{imp.line} imports {imp.target}"
             if imp.target in first_party:
                 if top == "kernels" and target_top != "kernels":
@@ -195,7 +203,7 @@ def test_there_are_no_import_circles() -> None:
 
 def test_worker_holds_only_layer_packages_and_the_public_paths() -> None:
     for module in first_party_modules():
-        if module.startswith("worker"):
+        if module.startswith(f"{NAMESPACE}.worker."):
             worker_layer(module)  # asserts
 
 
@@ -217,30 +225,74 @@ def _graph_of(sources: dict[str, str], tmp_path: Path, monkeypatch: pytest.Monke
 def test_a_circle_hidden_in_a_function_is_found(tmp_path, monkeypatch) -> None:
     graph = _graph_of(
         {
-            "engine.attention.selector": "def create():\n    from engine.attention import triton_backend\n",
-            "engine.attention.triton_backend": "from engine.attention.selector import create\n",
+            "conveyor.engine.attention.selector": (
+                "def create():\n    from conveyor.engine.attention import triton_backend\n"
+            ),
+            "conveyor.engine.attention.triton_backend": "from conveyor.engine.attention.selector import create\n",
         },
         tmp_path,
         monkeypatch,
     )
-    assert import_cycles(graph) == [["engine.attention.selector", "engine.attention.triton_backend"]]
+    assert import_cycles(graph) == [["conveyor.engine.attention.selector", "conveyor.engine.attention.triton_backend"]]
 
 
 def test_an_upward_or_forbidden_import_is_found(tmp_path, monkeypatch) -> None:
     graph = _graph_of(
         {
-            "worker.jobs.lifecycle": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-            "    from worker.broker.queues import RUN_SHARD\n",
-            "worker.broker.queues": "RUN_SHARD = 'x'\n",
-            "worker.batchio.readers": "import sqlalchemy\n",
-            "engine.llm": "from worker.jobs import lifecycle\n",
-            "kernels.reference": "import engine.llm\n",
+            "conveyor.worker.jobs.lifecycle": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from conveyor.worker.broker.queues import RUN_SHARD\n",
+            "conveyor.worker.broker.queues": "RUN_SHARD = 'x'\n",
+            "conveyor.worker.batchio.readers": "import sqlalchemy\n",
+            "conveyor.engine.llm": "from conveyor.worker.jobs import lifecycle\n",
+            "conveyor.kernels.reference": "import conveyor.engine.llm\n",
         },
         tmp_path,
         monkeypatch,
     )
     problems = layering_violations(graph)
     assert any("layer 'jobs' may not import the higher layer 'broker'" in p for p in problems), problems
-    assert any("worker.batchio must not use sqlalchemy" in p for p in problems), problems
+    assert any("conveyor.worker.batchio must not use sqlalchemy" in p for p in problems), problems
     assert any("engine/ never imports worker/" in p for p in problems), problems
     assert any("kernels/ imports nothing" in p for p in problems), problems
+
+
+# ---- the map names every module ---------------------------------------------------------
+
+
+def map_sections(text: str) -> dict[str, str]:
+    """ARCHITECTURE.md's package sections: each ``### `conveyor/...` `` heading's paths -> its text."""
+    sections: dict[str, str] = {}
+    for block in text.split("\n### ")[1:]:
+        heading, _, body = block.partition("\n")
+        for path in re.findall(r"`(conveyor/[\w/.]+)`", heading):
+            sections[path] = body.split("\n## ")[0]
+    return sections
+
+
+def unmapped_modules(root: Path, text: str) -> list[str]:
+    """Modules of the package that the section of the folder they live in does not name."""
+    sections = map_sections(text)
+    missing = []
+    for path in sorted((root / NAMESPACE).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if path.name in ("__init__.py", "__main__.py") or "/versions/" in rel or rel.count("/") < 2:
+            continue
+        if rel in sections:  # a module with a heading of its own
+            continue
+        owner = max((s for s in sections if rel.startswith(s)), key=len, default=None)
+        if owner is None or not re.search(rf"`(?:[\w/]*/)?{re.escape(path.stem)}(?:\.py)?`", sections[owner]):
+            missing.append(rel)
+    return missing
+
+
+def test_architecture_md_names_every_module() -> None:
+    missing = unmapped_modules(ROOT, (ROOT / "ARCHITECTURE.md").read_text())
+    assert not missing, "ARCHITECTURE.md does not name these modules in their folder's section:\n" + "\n".join(missing)
+
+
+def test_an_unmapped_module_is_found(tmp_path) -> None:
+    (tmp_path / "conveyor/engine/models").mkdir(parents=True)
+    for name in ("llama", "bert"):
+        (tmp_path / f"conveyor/engine/models/{name}.py").touch()
+    text = "# Map\n\n### `conveyor/engine/`\n\n- `models/`:\n    - `llama`: the Llama family\n"
+    assert unmapped_modules(tmp_path, text) == ["conveyor/engine/models/bert.py"]

@@ -11,8 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from worker.core.settings import Settings
-from worker.entrypoints.cli import build_parser
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.entrypoints.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,9 +90,9 @@ def test_engine_config_renders_nested_groups() -> None:
 
 
 def test_engine_config_and_sampling_params_pages_list_every_field() -> None:
-    from engine.config import SPECULATIVE_FLAT, EngineConfig
-    from engine.sampling_params import SamplingParams
-    from engine.spec_decode.config import SpeculativeConfig
+    from conveyor.engine.config import SPECULATIVE_FLAT, EngineConfig
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.engine.spec_decode.config import SpeculativeConfig
 
     module = hook()
     engine_page, sampling_page = module.engine_config_page(), module.sampling_params_page()

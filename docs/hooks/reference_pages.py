@@ -2,7 +2,7 @@
 
 Nothing is written to ``docs/``: the pages exist only in the build. Each reference is read
 from its source of truth: the CLI from ``build_parser()``, every ``CONVEYOR_*`` setting from
-``worker.core.settings.Settings`` (its meaning is the comment above the field: a field
+``conveyor.worker.core.settings.Settings`` (its meaning is the comment above the field: a field
 without one fails the build), ``EngineConfig`` and ``SamplingParams`` from their dataclasses
 (nested dataclass groups, if ``EngineConfig`` has them, get a section each).
 """
@@ -83,14 +83,14 @@ def _bounds(info: Any) -> str:
 
 
 def settings_page() -> str:
-    from worker.core import settings as module
+    from conveyor.worker.core import settings as module
 
     cls = module.Settings
     comments = field_comments(Path(inspect.getfile(module)), "Settings")
     missing = [name for name in cls.model_fields if name not in comments]
     if missing:
         raise ReferenceError(
-            "worker/core/settings.py: every setting needs a one-line comment directly above it (the settings "
+            "conveyor/worker/core/settings.py: every setting needs a one-line comment directly above it (the settings "
             f"reference is built from them); none for: {', '.join(missing)}"
         )
     source = Path(inspect.getfile(module)).read_text()
@@ -118,8 +118,8 @@ def settings_page() -> str:
             "# Settings",
             "",
             "Every setting is an environment variable, `CONVEYOR_` and the field's name in capitals, read by",
-            "`worker.core.settings.Settings` (pydantic-settings). Command-line flags, where a command has one,",
-            "win over the variable. A value that cannot be used is one `conveyor: error: invalid settings: ...`",
+            "`conveyor.worker.core.settings.Settings` (pydantic-settings). Command-line flags, where a command has",
+            "one, win over the variable. A value that cannot be used is one `conveyor: error: invalid settings: ...`",
             "line naming the variable. With nothing set, everything lives under `CONVEYOR_HOME`: a SQLite",
             "database, a local object store and a SQLite-backed broker.",
             "",
@@ -173,13 +173,13 @@ def _dataclass_section(cls: type, heading: str, level: int, prefix: str) -> list
 
 
 def engine_config_page() -> str:
-    from engine.config import GROUPS, SPECULATIVE_FLAT
-    from engine.spec_decode.config import SpeculativeConfig
+    from conveyor.engine.config import GROUPS, SPECULATIVE_FLAT
+    from conveyor.engine.spec_decode.config import SpeculativeConfig
 
     intro = [
         "# EngineConfig",
         "",
-        "`engine.EngineConfig` holds every option of the engine, in groups: `model`, `cache`, `scheduler`,",
+        "`conveyor.engine.EngineConfig` holds every option of the engine, in groups: `model`, `cache`, `scheduler`,",
         "`parallel` and `speculative`. `LLM(model, **fields)` takes every field below as a flat keyword",
         "argument; a worker takes them as JSON in `CONVEYOR_ENGINE_ARGS` (for example",
         '`{"max_num_seqs": 128, "scheduling_policy": "edf"}`), and speculative decoding as one',
@@ -197,13 +197,13 @@ def engine_config_page() -> str:
 
 
 def sampling_params_page() -> str:
-    from engine.sampling_params import SamplingParams
-    from engine.structured_outputs import StructuredOutputs
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.engine.structured_outputs import StructuredOutputs
 
     intro = [
         "# SamplingParams",
         "",
-        "`engine.SamplingParams`: how to sample one request, for `LLM.generate` and",
+        "`conveyor.engine.SamplingParams`: how to sample one request, for `LLM.generate` and",
         "`LLMEngine.add_request`. The batch API's request bodies are translated into it",
         "(see [Batch jobs](../user-guide/batch-jobs.md)). Generated from the dataclass at build time.",
         "",
@@ -227,7 +227,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
 
 
 def cli_page() -> str:
-    from worker.entrypoints.cli import build_parser
+    from conveyor.worker.entrypoints.cli import build_parser
 
     os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal: the page must not depend on it
     parser = build_parser()
@@ -235,7 +235,7 @@ def cli_page() -> str:
         "# Command line",
         "",
         "`conveyor` and every command's options, generated from the argument parser",
-        "(`worker.entrypoints.cli.build_parser`) at build time. Every command prints the same with `--help`.",
+        "(`conveyor.worker.entrypoints.cli.build_parser`) at build time. Every command prints the same with `--help`.",
         "",
         "```text",
         parser.format_help().rstrip(),

@@ -23,10 +23,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY kernels ./kernels
-COPY worker ./worker
-COPY migrations ./migrations
+COPY conveyor ./conveyor
 # The extras the package declares in pyproject.toml: `worker` (Celery, SQLAlchemy, boto3, ...)
 # and `parquet` (workers ingest Parquet inputs). Add `sqs` for Amazon SQS as the broker.
 ARG EXTRAS=worker,parquet

@@ -28,10 +28,7 @@ ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY kernels ./kernels
-COPY worker ./worker
-COPY migrations ./migrations
+COPY conveyor ./conveyor
 # The extras the package declares in pyproject.toml: `worker`, `triton` (the CUDA attention
 # kernels) and `parquet` (workers ingest Parquet inputs). Add `sqs` for Amazon SQS.
 ARG EXTRAS=worker,triton,parquet

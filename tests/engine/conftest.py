@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from conveyor.engine import LLM
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.reference import HFReference
 

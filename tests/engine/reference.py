@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import SamplingParams
+from conveyor.engine import SamplingParams
 
 TIE_MARGIN = 1e-3
 # References are generated once per prompt at this length and cut: greedy output for a

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.admission import PredictedAdmission
-from engine.kv_cache import KVCacheManager
-from engine.output_length import OUTPUT_LENGTH_MIN_SAMPLES, OutputLengthEstimator
-from engine.request import Request
-from engine.scheduler import Scheduler
+from conveyor.engine import EngineConfig, SamplingParams
+from conveyor.engine.admission import PredictedAdmission
+from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.output_length import OUTPUT_LENGTH_MIN_SAMPLES, OutputLengthEstimator
+from conveyor.engine.request import Request
+from conveyor.engine.scheduler import Scheduler
 from tests.engine.helpers import step_without_model
 from tests.engine.reference import Greedy, assert_greedy_match
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.attention import torch_backend
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttention
-from kernels import reference
-from kernels.utils import cdiv
+from conveyor.engine import SamplingParams
+from conveyor.engine.attention import torch_backend
+from conveyor.engine.attention.base import AttentionMetadata
+from conveyor.engine.attention.torch_backend import TorchAttention
+from conveyor.kernels import reference
+from conveyor.kernels.utils import cdiv
 from tests.engine.helpers import spy
 from tests.engine.reference import assert_outputs_match
 

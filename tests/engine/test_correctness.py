@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import (
     assert_chunked_prefill_steps,
     assert_no_leaks,

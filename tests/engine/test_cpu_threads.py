@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig
-from engine.cpu_threads import (
+from conveyor.engine import EngineConfig
+from conveyor.engine.cpu_threads import (
     AFFINITY,
     ENVIRONMENT,
     EXPLICIT,
@@ -112,7 +112,7 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread():
     """The real thing: affinity set by the process (as taskset or a cpuset would), torch sized to it."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "import torch; from engine.cpu_threads import apply_cpu_budget, cpu_budget; "
+        "import torch; from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget; "
         "b = cpu_budget(); apply_cpu_budget(b); print(b.threads, b.source, torch.get_num_threads())"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -123,7 +123,7 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread():
 
 
 def test_the_engine_cli_takes_and_logs_the_count(tiny_models, tmp_path, capsys):
-    from engine.__main__ import main
+    from conveyor.engine.__main__ import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello there\n")

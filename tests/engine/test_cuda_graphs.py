@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import RequestOutput, SamplingParams
-from engine.cuda_graphs import CallingGraph, graph_batch_sizes
-from kernels.interpreter import kernel_device
+from conveyor.engine import RequestOutput, SamplingParams
+from conveyor.engine.cuda_graphs import CallingGraph, graph_batch_sizes
+from conveyor.kernels.interpreter import kernel_device
 from tests.engine.helpers import spy
 from tests.engine.reference import assert_outputs_match, greedy
 from tests.engine.test_triton_backend import PROMPTS, needs_triton

@@ -15,10 +15,10 @@ from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from engine.models.kv_layout import KVLayout
-from engine.models.model_config import ModelSpec
-from engine.models.moe import grouped_sigmoid_route
-from engine.models.yarn import yarn_inv_freq
+from conveyor.engine.models.kv_layout import KVLayout
+from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.moe import grouped_sigmoid_route
+from conveyor.engine.models.yarn import yarn_inv_freq
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.reference import assert_outputs_match, greedy
 

@@ -1,4 +1,4 @@
-"""Encoder-only embedders (``engine.models.bert``: BERT, XLM-RoBERTa) against
+"""Encoder-only embedders (``conveyor.engine.models.bert``: BERT, XLM-RoBERTa) against
 sentence-transformers' ``encode`` on tiny random-weight models: CLS and mean pooling,
 normalised and not, ``dimensions``, mixed lengths in one step; each input runs whole in one
 step with no K/V tensors, one over the step budget is refused, generation is refused."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, PoolingParams, SamplingParams
-from engine.testing import build_tiny_encoder
+from conveyor.engine import LLM, PoolingParams, SamplingParams
+from conveyor.engine.testing import build_tiny_encoder
 from tests.engine.embedding_helpers import (
     TEXTS,
     assert_same_vectors,

@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.distributed import parallel_state
-from engine.distributed.parallel_state import ParallelState
-from engine.models.kv_scales import CheckpointKVScales
-from engine.models.llama import Attention
-from engine.models.model_config import ModelSpec
-from engine.quantization import scheme_from_config
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.distributed import parallel_state
+from conveyor.engine.distributed.parallel_state import ParallelState
+from conveyor.engine.models.kv_scales import CheckpointKVScales
+from conveyor.engine.models.llama import Attention
+from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.quantization import scheme_from_config
 from tests.engine.reference import oracle_model
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table and the waiter pours cold water", "Tea"]

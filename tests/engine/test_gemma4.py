@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.models.gemma4 import Gemma4ForCausalLM
-from engine.models.model_config import ModelSpec
+from conveyor.engine.models.gemma4 import Gemma4ForCausalLM
+from conveyor.engine.models.model_config import ModelSpec
 from tests.engine.reference import assert_outputs_match, greedy
 
 PROMPTS = ["The chef will bring the soup to the table", "Tip the waiter"]

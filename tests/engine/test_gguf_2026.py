@@ -302,7 +302,7 @@ def test_gguf_2026_matches_transformers_on_the_original(
 def test_gguf_2026_refusals_name_the_problem(tmp_path):
     """DeepSeek-V2's softmax routing, Qwen3-Next's architecture and a file whose vocabulary
     transformers cannot make a tokenizer of (with none beside it) are refused at load, named."""
-    from engine.models.loader import check_checkpoint, load_tokenizer
+    from conveyor.engine.models.loader import check_checkpoint, load_tokenizer
     from tests.engine.test_gguf import stub_gguf
 
     def softmax_routing(w: Any) -> None:

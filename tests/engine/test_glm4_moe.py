@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
-from engine.models.model_config import ModelSpec
-from engine.models.moe import SparseMoE, grouped_sigmoid_route
-from kernels.interpreter import kernel_device
+from conveyor.engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
+from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.moe import SparseMoE, grouped_sigmoid_route
+from conveyor.kernels.interpreter import kernel_device
 from tests.engine.reference import assert_outputs_match, greedy
 
 PROMPTS = [

@@ -1,5 +1,5 @@
 """gpt-oss as released: its experts in MXFP4 (``*_blocks``/``*_scales``), the rest bfloat16 in
-sharded files, config.json in the release's spelling. Loaded through ``engine.quantization``,
+sharded files, config.json in the release's spelling. Loaded through ``conveyor.engine.quantization``,
 it answers greedy token for token as transformers does on the same checkpoint, dequantized by
 transformers' own MXFP4 loader (float32, CPU)."""
 
@@ -74,7 +74,7 @@ def test_a_hub_download_skips_the_copies_in_other_formats(monkeypatch, tmp_path)
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from engine.models.loader import resolve_model_path
+    from conveyor.engine.models.loader import resolve_model_path
 
     asked = {}
 
@@ -101,9 +101,9 @@ def test_experts_kept_in_mxfp4_on_the_fused_kernel(released, hf_reference, make_
     """Where the fused kernel runs (here forced, in Triton's interpreter), the experts stay in
     MXFP4, decoded inside the kernel's K loop: 4.25 bits a weight instead of a float copy, and
     transformers' tokens from its own MXFP4 loader."""
-    from engine.models.gpt_oss import GptOssExperts
-    from engine.models.moe import SparseMoE
-    from engine.quantization import kept
+    from conveyor.engine.models.gpt_oss import GptOssExperts
+    from conveyor.engine.models.moe import SparseMoE
+    from conveyor.engine.quantization import kept
 
     monkeypatch.setattr(kept, "KEEP_ON_CPU", True)
     monkeypatch.setattr(SparseMoE, "use_fused_kernel", True)

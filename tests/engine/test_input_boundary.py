@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
-from engine.outputs import RequestOutput
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.outputs import RequestOutput
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 DONE = ("stop", "length")

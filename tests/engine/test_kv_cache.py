@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.kv_cache import KVCacheManager
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.kv_cache import KVCacheManager
 from tests.engine.helpers import assert_no_leaks, make_request
 
 

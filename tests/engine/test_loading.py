@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.llama import LlamaForCausalLM
-from engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
-from engine.models.phi3 import Phi3ForCausalLM
-from engine.models.registry import MODEL_CLASSES, model_class
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
+from conveyor.engine.models.phi3 import Phi3ForCausalLM
+from conveyor.engine.models.registry import MODEL_CLASSES, model_class
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from engine import SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler
+from conveyor.engine import SamplingParams
+from conveyor.engine.request import Request
+from conveyor.engine.sampler import Sampler
 from tests.engine.reference import Greedy, HFReference, assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"

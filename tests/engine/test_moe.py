@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.models.model_config import ModelSpec
-from engine.models.moe import moe_naive, moe_sorted, route
+from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.moe import moe_naive, moe_sorted, route
 
 E, H, INTER, T = 6, 16, 8, 11
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cuda_graphs import CallingGraph
-from engine.models.gpt_oss import GptOssExperts
-from engine.models.moe import SparseMoE
-from kernels.interpreter import kernel_device
+from conveyor.engine.cuda_graphs import CallingGraph
+from conveyor.engine.models.gpt_oss import GptOssExperts
+from conveyor.engine.models.moe import SparseMoE
+from conveyor.kernels.interpreter import kernel_device
 from tests.engine.reference import assert_outputs_match, greedy
 from tests.engine.test_cuda_graphs import _HostSyncs
 from tests.engine.test_triton_backend import needs_triton

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from kernels.utils import cdiv
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.request import Request
+from conveyor.kernels.utils import cdiv
 from tests.engine.helpers import assert_no_leaks, model_case
 from tests.engine.reference import assert_outputs_match
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import MAX_LOGPROBS
 from tests.engine.reference import HFReference
 
 PROMPTS = [

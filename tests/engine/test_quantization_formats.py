@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.loader import check_checkpoint
-from engine.quantization import scheme_from_config
-from engine.quantization.fp8 import Fp8Scheme
-from engine.quantization.loading import dequantized
-from engine.quantization.mxfp4 import Mxfp4Scheme
+from conveyor.engine.models.loader import check_checkpoint
+from conveyor.engine.quantization import scheme_from_config
+from conveyor.engine.quantization.fp8 import Fp8Scheme
+from conveyor.engine.quantization.loading import dequantized
+from conveyor.engine.quantization.mxfp4 import Mxfp4Scheme
 from tests.engine import quantized_checkpoints as qc
 
 
@@ -172,8 +172,8 @@ def test_w8a8_layers_quantize_their_inputs_as_compressed_tensors_does(args):
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # type: ignore[import-untyped]
     from compressed_tensors.quantization.utils import calculate_qparams  # type: ignore[import-untyped]
 
-    from engine.quantization.kept import QuantizedLinearWeight
-    from engine.quantization.w8a8 import W8A8Weight
+    from conveyor.engine.quantization.kept import QuantizedLinearWeight
+    from conveyor.engine.quantization.w8a8 import W8A8Weight
 
     act = {"num_bits": 8, "type": "float", "symmetric": True, **args}
     scheme = scheme_from_config({"quantization_config": _w8a8(act)})
@@ -224,7 +224,7 @@ def test_a_scale_without_its_weight_is_refused():
 
 
 def test_a_quantized_architecture_without_a_native_forward_is_refused(tiny_models, tmp_path):
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.loader import load_spec
 
     quantized, _ = qc.write_quantized(tiny_models("gpt_neox"), tmp_path, {"quant_method": "fp8"}, qc.fp8_tensor)
     config = json.loads((quantized / "config.json").read_text())
@@ -238,7 +238,7 @@ def test_scaled_mm_takes_the_w8a8_operands_as_the_emulation_multiplies_them(stra
     """The operands and scales given to ``torch._scaled_mm`` (per tensor; per token by per
     channel) give the emulated product: run here through its CPU implementation (on a GPU it
     is cuBLASLt's; the arguments are the same)."""
-    from engine.quantization import w8a8
+    from conveyor.engine.quantization import w8a8
 
     act = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic}
     scheme = scheme_from_config({"quantization_config": _w8a8(act)})

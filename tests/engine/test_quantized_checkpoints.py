@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.quantization.kept import QuantizedLinearWeight
-from engine.quantization.w8a8 import W8A8Weight
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.quantization.kept import QuantizedLinearWeight
+from conveyor.engine.quantization.w8a8 import W8A8Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.quantized_checkpoints import FORMATS

@@ -1,5 +1,5 @@
 """Quantized weights kept quantized and multiplied through the GEMM kernels of
-``kernels.quant_gemm`` (here in Triton's interpreter, as on a GPU they run compiled): the layers
+``conveyor.kernels.quant_gemm`` (here in Triton's interpreter, as on a GPU they run compiled): the layers
 hold the packed weights and scales only, and the model answers greedy token for token as
 transformers does on the float weights the format stores (W8A8 formats: its layers' inputs
 quantized by compressed-tensors' functions). GGUF's Q8_0 and Q4_K matrices are kept as the
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import SamplingParams
-from engine.quantization import kept
-from engine.quantization.kept import QuantizedLinearWeight
-from engine.quantization.kernel_weights import Q4KWeight, Q8_0Weight
+from conveyor.engine import SamplingParams
+from conveyor.engine.quantization import kept
+from conveyor.engine.quantization.kept import QuantizedLinearWeight
+from conveyor.engine.quantization.kernel_weights import Q4KWeight, Q8_0Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.quantized_checkpoints import FORMATS
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
@@ -118,8 +118,8 @@ def test_two_ranks_keep_their_shards_quantized(fmt, tiny_models, tmp_path, hf_re
 
 
 def test_a_split_inside_a_scale_block_is_refused():
-    from engine.distributed.sharding import Shard
-    from engine.quantization.kernel_weights import Fp8Weight
+    from conveyor.engine.distributed.sharding import Shard
+    from conveyor.engine.quantization.kernel_weights import Fp8Weight
 
     half = torch.zeros(8, 2, dtype=torch.float16)
     q4 = Q4KWeight(torch.zeros(8, 256, dtype=torch.uint8), torch.zeros(8, 24, dtype=torch.uint8), half, half)
@@ -152,7 +152,7 @@ def test_the_cpu_path_dequantizes_unless_forced(tiny_models, tmp_path_factory, m
 
 
 def test_a_kept_weight_multiplies_through_f_linear_only():
-    from engine.quantization.kernel_weights import Int4Weight
+    from conveyor.engine.quantization.kernel_weights import Int4Weight
 
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (24, 64), generator=g)

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine import RequestOutput, SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler
+from conveyor.engine import RequestOutput, SamplingParams
+from conveyor.engine.request import Request
+from conveyor.engine.sampler import Sampler
 from tests.engine.reference import assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"

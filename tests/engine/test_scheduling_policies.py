@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.scheduler import Scheduler
 from tests.engine.helpers import make_request, step_without_model
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import transformers
 
-from engine.models.model_config import ModelSpec
+from conveyor.engine.models.model_config import ModelSpec
 
 BASE: dict[str, Any] = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2

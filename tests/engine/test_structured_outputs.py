@@ -11,8 +11,8 @@ import llguidance.hf
 import pytest
 import torch
 
-from engine import SamplingParams, StructuredOutputs
-from engine.structured_outputs import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutputManager
+from conveyor.engine import SamplingParams, StructuredOutputs
+from conveyor.engine.structured_outputs import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutputManager
 from tests.engine.helpers import record_steps
 from tests.engine.reference import oracle_model
 from tests.structured_schemas import SCHEMAS, validate

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, EngineDeadError, SamplingParams
-from engine.distributed.parallel_state import ParallelState
-from engine.distributed.rank_group import RankGroup
-from engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
-from engine.models.model_config import ModelSpec
-from engine.testing import build_truncated_draft
+from conveyor.engine import LLM, EngineConfig, EngineDeadError, SamplingParams
+from conveyor.engine.distributed.parallel_state import ParallelState
+from conveyor.engine.distributed.rank_group import RankGroup
+from conveyor.engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
+from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.testing import build_truncated_draft
 from tests.engine.helpers import model_case
 from tests.engine.reference import assert_outputs_match, greedy
 
@@ -246,7 +246,7 @@ def test_shutdown_stops_the_ranks(tiny_models):
 # Rank 0 builds a two-rank engine, prints rank 1's pid, then dies without any cleanup.
 _ORPHANING_SCRIPT = """
 import os, signal, sys
-from engine import LLM
+from conveyor.engine import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
     print(llm.engine.runner.ranks.pids[0], flush=True)
@@ -376,7 +376,7 @@ def test_a_rank_reads_only_its_shard_from_a_safetensors_file(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from engine.models.loader import _read_safetensor
+    from conveyor.engine.models.loader import _read_safetensor
 
     t = torch.randn(6, 4)
     save_file({"w": t}, str(tmp_path / "w.safetensors"))

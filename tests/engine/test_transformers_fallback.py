@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.attention.torch_backend import TorchAttention
-from engine.models.loader import check_checkpoint
-from engine.models.transformers_fallback import _STEP, _Step, fallback_spec, paged_attention
+from conveyor.engine import EngineConfig, SamplingParams
+from conveyor.engine.attention.torch_backend import TorchAttention
+from conveyor.engine.models.loader import check_checkpoint
+from conveyor.engine.models.transformers_fallback import _STEP, _Step, fallback_spec, paged_attention
 from tests.engine.reference import assert_outputs_match
 
 PROMPTS = ["The chef will bring", "Tea", "Seven guests wait at the table and the waiter pours cold water"]

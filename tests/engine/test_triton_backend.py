@@ -16,13 +16,13 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, EngineConfig
-from engine.attention.base import AttentionMetadata
-from engine.attention.selector import create_backend
-from engine.attention.torch_backend import TorchAttention
-from engine.attention.triton_backend import TritonAttention, triton_available
-from kernels.interpreter import kernel_device, kernels_interpreted
-from kernels.utils import cdiv
+from conveyor.engine import LLM, EngineConfig
+from conveyor.engine.attention.base import AttentionMetadata
+from conveyor.engine.attention.selector import create_backend
+from conveyor.engine.attention.torch_backend import TorchAttention
+from conveyor.engine.attention.triton_backend import TritonAttention, triton_available
+from conveyor.kernels.interpreter import kernel_device, kernels_interpreted
+from conveyor.kernels.utils import cdiv
 from tests.engine.helpers import assert_chunked_prefill_steps, record_steps, spy
 from tests.engine.reference import TIE_MARGIN, assert_outputs_match, greedy
 
@@ -60,7 +60,7 @@ def _triton_llm(make_llm, path, **kwargs) -> LLM:
 # --------------------------------------------------------------------------- engine vs transformers
 @needs_triton
 def test_mixed_batch_matches_transformers_and_the_torch_backend(model, hf_reference, make_llm, monkeypatch):
-    import kernels.paged_attention as pa
+    import conveyor.kernels.paged_attention as pa
 
     choices = spy(monkeypatch, pa, "choose_num_kv_splits")
     params = greedy(MAX_TOKENS, logprobs=2)
@@ -272,7 +272,7 @@ def test_triton_missing_is_a_clear_error(model, monkeypatch):
 
 _FRESH_PROCESS = """
 import sys
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 stage = "init"
 try:
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", attention_backend="triton")
@@ -281,7 +281,7 @@ try:
 except RuntimeError as exc:
     print("ERROR", stage, exc)
 else:
-    import kernels.paged_attention as pa
+    import conveyor.kernels.paged_attention as pa
     print("TOKENS", out.token_ids, type(pa._paged_attn_kernel).__name__)
 """
 

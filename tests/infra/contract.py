@@ -2,7 +2,7 @@
 helpers the infra tests share to check it.
 
 Every command line the infra holds is checked against the real parser
-(``worker.entrypoints.cli.build_parser``).
+(``conveyor.worker.entrypoints.cli.build_parser``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Invocation:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from worker.entrypoints.cli import build_parser as real_parser
+    from conveyor.worker.entrypoints.cli import build_parser as real_parser
 
     return real_parser()
 
@@ -111,7 +111,7 @@ def check_invocation(argv: Sequence[str]) -> Invocation:
 
 def settings_variables() -> set[str]:
     """Every ``CONVEYOR_*`` variable the settings read."""
-    from worker.core.settings import Settings
+    from conveyor.worker.core.settings import Settings
 
     return {f"CONVEYOR_{name.upper()}" for name in Settings.model_fields}
 

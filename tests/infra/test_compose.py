@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from conveyor.worker.core.catalog import parse_catalog
 from tests.infra.contract import (
     DOCKERFILES,
     IMAGES,
@@ -30,7 +31,6 @@ from tests.infra.contract import (
     pyproject,
     settings_variables,
 )
-from worker.core.catalog import parse_catalog
 
 COMPOSE = INFRA / "compose.yaml"
 OUR_IMAGES = set(IMAGES.values())

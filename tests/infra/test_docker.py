@@ -109,7 +109,7 @@ def test_entrypoint_is_the_declared_conveyor_script(kind):
     df = dockerfile(kind)
     entrypoint = df.last("ENTRYPOINT")
     assert entrypoint.json and list(entrypoint.value) == ["conveyor"]
-    assert pyproject()["project"]["scripts"]["conveyor"] == "worker.entrypoints.cli:main"
+    assert pyproject()["project"]["scripts"]["conveyor"] == "conveyor.worker.entrypoints.cli:main"
     # The build stage proves the script runs.
     assert any("conveyor --version" in r for r in install_runs(df))
 
@@ -178,7 +178,7 @@ def copied_sources(df: Dockerfile) -> list[str]:
 def test_copies_the_whole_package_and_dockerignore_lets_it_through(kind):
     sources = copied_sources(dockerfile(kind))
     meta = pyproject()
-    packages = {p.rstrip("*") for p in meta["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = {p.split(".")[0].rstrip("*") for p in meta["tool"]["setuptools"]["packages"]["find"]["include"]}
     needed = {"pyproject.toml", meta["project"]["readme"], *packages}
     assert needed <= set(sources), f"not copied: {needed - set(sources)}"
     for source in sources:
@@ -186,7 +186,7 @@ def test_copies_the_whole_package_and_dockerignore_lets_it_through(kind):
         assert not dockerignore_excludes(source), f".dockerignore keeps {source} out of the build context"
         assert not dockerignore_excludes(f"{source}/x.py" if (ROOT / source).is_dir() else source)
     # ...and keeps the rest out (the context stays small, no local state leaks into an image).
-    for other in ("tests", ".venv", ".git", ".cache", "benchmarks", "worker/__pycache__/x.pyc"):
+    for other in ("tests", ".venv", ".git", ".cache", "benchmarks", "conveyor/worker/__pycache__/x.pyc"):
         assert dockerignore_excludes(other), f".dockerignore lets {other} into the build context"
 
 
@@ -226,16 +226,21 @@ def test_the_package_the_images_build_runs_outside_the_source_tree(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         zf.extractall(site)
-    assert any(n.startswith("migrations/versions/") and n.endswith(".py") for n in names), "migrations not packaged"
+    assert any(n.startswith("conveyor/migrations/versions/") and n.endswith(".py") for n in names), (
+        "migrations not packaged"
+    )
+    # One importable name: nothing but conveyor/ and its dist-info at the top of site-packages.
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"conveyor"}, sorted(tops)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "conveyor = worker.entrypoints.cli:main" in (site / entry_points).read_text()
+    assert "conveyor = conveyor.worker.entrypoints.cli:main" in (site / entry_points).read_text()
 
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env.update(PYTHONPATH=str(site), CONVEYOR_HOME=str(home))
     script = (
-        "import sys, worker, migrations; from worker.entrypoints.cli import main; "
-        "print(worker.__file__); print(migrations.__file__); sys.exit(main(['db', 'upgrade']))"
+        "import sys, conveyor.worker, conveyor.migrations; from conveyor.worker.entrypoints.cli import main; "
+        "print(conveyor.worker.__file__); print(conveyor.migrations.__file__); sys.exit(main(['db', 'upgrade']))"
     )
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conveyor.worker.core.catalog import parse_catalog
 from tests.infra.contract import (
     DOCKERFILES,
     IMAGES,
@@ -34,7 +35,6 @@ from tests.infra.contract import (
     settings_variables,
 )
 from tests.infra.keda_schema import K8S_VERSION, object_errors
-from worker.core.catalog import parse_catalog
 
 K8S = INFRA / "k8s"
 OVERLAYS = {
@@ -464,7 +464,7 @@ def test_config_names_real_settings(overlay):
     known = settings_variables()
     for key in config(render(overlay)):
         if key.startswith("CONVEYOR_"):
-            assert key in known, f"{key} is not a Conveyor setting (worker/core/settings.py)"
+            assert key in known, f"{key} is not a Conveyor setting (conveyor/worker/core/settings.py)"
         else:
             assert OTHER_CONFIG.match(key), f"{key}: not a setting any Conveyor process reads"
 

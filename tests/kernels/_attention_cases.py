@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def run_case(scenario: str, group: int, head_dim: int, dtype: torch.dtype, variant: str):
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     reqs, block_size, shared = SCENARIOS[scenario]
     splits, block_m, tile_n = VARIANTS[variant]

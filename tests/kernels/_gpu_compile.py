@@ -19,11 +19,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_moe import _down_weighted_kernel, _gate_up_kernel, choose_tiles
-from kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
-from kernels.kv_cache_write import _write_kv_cache_kernel
-from kernels.mla_decode import BLOCK_H, NUM_WARPS, TILE_N, _mla_decode_kernel
-from kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel
+from conveyor.kernels.fused_moe import _down_weighted_kernel, _gate_up_kernel, choose_tiles
+from conveyor.kernels.fused_ops import _rms_norm_kernel, _silu_and_mul_kernel
+from conveyor.kernels.kv_cache_write import _write_kv_cache_kernel
+from conveyor.kernels.mla_decode import BLOCK_H, NUM_WARPS, TILE_N, _mla_decode_kernel
+from conveyor.kernels.paged_attention import _paged_attn_kernel, _pick_tiles, _reduce_splits_kernel
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}

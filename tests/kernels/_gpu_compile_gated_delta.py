@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from triton.backends.compiler import GPUTarget
 
-from kernels.gated_delta_triton import (
+from conveyor.kernels.gated_delta_triton import (
     DECODE_BV,
     PREFILL_BK,
     PREFILL_BV,

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from triton.backends.compiler import GPUTarget
 
-from kernels.quant_gemm import (
+from conveyor.kernels.quant_gemm import (
     Q8_0_BLOCK,
     _fp8_block_gemm_kernel,
     _q4_k_gemm_kernel,

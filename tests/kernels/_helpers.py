@@ -8,11 +8,11 @@ from typing import TypedDict
 
 import torch
 
-from kernels.interpreter import kernel_device
+from conveyor.kernels.interpreter import kernel_device
 
 # The project's pure-torch reference is the oracle.
-from kernels.reference import paged_attention as ref_paged_attention
-from kernels.utils import cdiv
+from conveyor.kernels.reference import paged_attention as ref_paged_attention
+from conveyor.kernels.utils import cdiv
 
 
 class Tol(TypedDict):

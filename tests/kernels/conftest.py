@@ -11,11 +11,11 @@ import importlib
 
 import pytest
 
-from kernels.interpreter import is_interpreting, kernels_interpreted
+from conveyor.kernels.interpreter import is_interpreting, kernels_interpreted
 
 pytest.importorskip("triton")
 # Imported now, so that kernels compiled in the wrong mode fail here, once, with a message.
-importlib.import_module("kernels.paged_attention")
+importlib.import_module("conveyor.kernels.paged_attention")
 if is_interpreting() and not kernels_interpreted():
     raise RuntimeError(
         "kernels/ Triton modules were imported before TRITON_INTERPRET=1 was set, so they "

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.reference import paged_attention as ref_paged_attention
+from conveyor.kernels.reference import paged_attention as ref_paged_attention
 
 from ._helpers import DEVICE, TOL, make_batch
 
@@ -35,7 +35,7 @@ def _values(n: int, seed: int) -> torch.Tensor:
 @MODES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 def test_kv_write_stores_torchs_e4m3_bytes(arithmetic, dtype):
-    from kernels.triton_ops import write_kv_cache
+    from conveyor.kernels.triton_ops import write_kv_cache
 
     if DEVICE != "cuda" and not arithmetic:
         pytest.skip("the interpreter's own conversion to e4m3 truncates; the GPU's rounds (cvt.rn)")
@@ -57,7 +57,7 @@ def test_kv_write_stores_torchs_e4m3_bytes(arithmetic, dtype):
 
 
 def test_arithmetic_encoding_saturates_at_448():
-    from kernels.triton_ops import write_kv_cache
+    from conveyor.kernels.triton_ops import write_kv_cache
 
     k = torch.tensor([[[1000.0, -1000.0, 448.0, 460.0, -0.0, 1e-9, 0.0009765625, 0.0]]])
     k_cache = torch.zeros((1, 1, 1, 8), dtype=E4M3, device=DEVICE)
@@ -75,7 +75,7 @@ def test_arithmetic_encoding_saturates_at_448():
     ids=["plain", "split3", "window8-softcap", "window5-sinks-split2", "sinks"],
 )
 def test_paged_attention_reads_an_fp8_cache(arithmetic, dtype, window, softcap, sinks, splits):
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     batch = make_batch(REQUESTS, num_kv_heads=2, group=2, head_dim=32, block_size=4, dtype=dtype, seed=7).cpu()
     fp8 = dataclasses.replace(batch, k_cache=batch.k_cache.to(E4M3), v_cache=batch.v_cache.to(E4M3))

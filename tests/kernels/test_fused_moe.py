@@ -1,4 +1,4 @@
-"""The fused MoE Triton kernel (and its device-side alignment) vs kernels.reference.fused_moe."""
+"""The fused MoE Triton kernel (and its device-side alignment) vs conveyor.kernels.reference.fused_moe."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.utils import cdiv
+from conveyor.kernels import reference as ref
+from conveyor.kernels.utils import cdiv
 
 from ._helpers import DEVICE, DTYPES, Tol
 
@@ -43,7 +43,7 @@ def _case(tokens: int, k: int, dtype: torch.dtype, seed: int = 0, ids: torch.Ten
 
 
 def _check(x, w13, w2, weights, ids, tiles=None) -> torch.Tensor:
-    from kernels.fused_moe import fused_moe
+    from conveyor.kernels.fused_moe import fused_moe
 
     got = fused_moe(x, w13, w2, weights, ids, tiles=tiles)
     want = ref.fused_moe(*(t.cpu() for t in (x, w13, w2, weights, ids)))
@@ -53,7 +53,7 @@ def _check(x, w13, w2, weights, ids, tiles=None) -> torch.Tensor:
 
 
 def _small_tiles(block_m: int = 16):
-    from kernels.fused_moe import MoETiles
+    from conveyor.kernels.fused_moe import MoETiles
 
     return MoETiles(block_m=block_m, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
@@ -68,7 +68,7 @@ def test_matches_reference(dtype, k, tokens):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_default_tiles(dtype):
     """The tiles ``choose_tiles`` picks (64-wide), over a batch large enough for BLOCK_M 64."""
-    from kernels.fused_moe import choose_tiles
+    from conveyor.kernels.fused_moe import choose_tiles
 
     assert choose_tiles(70, 2, EXPERTS).block_m == 64
     _check(*_case(70, 2, dtype, seed=3))
@@ -84,7 +84,7 @@ def test_experts_with_no_tokens(k):
     # An unused expert's weights are never read: NaN there changes nothing.
     w13[0] = float("nan")
     w2[5] = float("nan")
-    from kernels.fused_moe import fused_moe
+    from conveyor.kernels.fused_moe import fused_moe
 
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, tiles=_small_tiles()), got)
 
@@ -99,14 +99,14 @@ def test_all_tokens_on_one_expert():
 
 
 def test_zero_tokens():
-    from kernels.fused_moe import fused_moe
+    from conveyor.kernels.fused_moe import fused_moe
 
     x, w13, w2, weights, ids = _case(0, 2, torch.float32)
     assert fused_moe(x, w13, w2, weights, ids).shape == (0, HIDDEN)
 
 
 def test_alignment_pads_each_expert_to_block_m():
-    from kernels.fused_moe import align_assignments
+    from conveyor.kernels.fused_moe import align_assignments
 
     ids = torch.tensor([[2, 0], [2, 5], [0, 2]])  # expert 0: 2, expert 2: 3, expert 5: 1
     block_m = 4
@@ -121,7 +121,7 @@ def test_alignment_pads_each_expert_to_block_m():
 
 
 def test_bad_shapes_are_named():
-    from kernels.fused_moe import fused_moe
+    from conveyor.kernels.fused_moe import fused_moe
 
     x, w13, w2, weights, ids = _case(3, 2, torch.float32)
     with pytest.raises(ValueError, match=r"w2 \(6, 40, 48\) should be \[6, 48, 40\]"):
@@ -148,7 +148,7 @@ SWIGLU = ref.ClampedSwiGLU(alpha=1.702, limit=1.5)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_clamped_swiglu_with_biases_matches_reference(dtype):
-    from kernels.fused_moe import fused_moe
+    from conveyor.kernels.fused_moe import fused_moe
 
     x, w13, w2, weights, ids, b13, b2 = _gpt_oss_case(13, 2, dtype, seed=5)
     gate_up = x.float() @ w13[ids[0, 0]].float().T + b13[ids[0, 0]].float()
@@ -189,7 +189,7 @@ def test_mxfp4_reference_is_transformers_dequantization():
 # Steps inside a group of 32 (16), and of two groups (64, past the end of hidden 96).
 @pytest.mark.parametrize(("dtype", "block_k"), [(torch.float32, 16), (torch.float16, 64)], ids=["f32-16", "f16-64"])
 def test_mxfp4_weights_dequantized_in_the_k_loop(dtype, block_k):
-    from kernels.fused_moe import MoETiles, fused_moe
+    from conveyor.kernels.fused_moe import MoETiles, fused_moe
 
     hidden, inter = 96, 32  # whole groups of 32 inputs
     g = torch.Generator().manual_seed(block_k)

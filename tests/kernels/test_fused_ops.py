@@ -1,11 +1,11 @@
-"""Triton RMSNorm (+ fused residual add) and SiLU-and-mul vs kernels.reference."""
+"""Triton RMSNorm (+ fused residual add) and SiLU-and-mul vs conveyor.kernels.reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference as ref
+from conveyor.kernels import reference as ref
 
 from ._helpers import DEVICE, DTYPES, Tol
 
@@ -25,7 +25,7 @@ def _rand(*shape, dtype, seed):
 @pytest.mark.parametrize("hidden", [64, 96])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm(dtype, hidden, with_residual):
-    from kernels.triton_ops import rms_norm
+    from conveyor.kernels.triton_ops import rms_norm
 
     x = 3 * _rand(2, 3, hidden, dtype=dtype, seed=1)
     w = _rand(hidden, dtype=dtype, seed=2)
@@ -40,7 +40,7 @@ def test_rms_norm(dtype, hidden, with_residual):
 
 
 def test_rms_norm_strided_rows():
-    from kernels.triton_ops import rms_norm
+    from conveyor.kernels.triton_ops import rms_norm
 
     big = _rand(5, 128, dtype=torch.float32, seed=4)
     x = big[:, :64]  # row stride 128
@@ -51,7 +51,7 @@ def test_rms_norm_strided_rows():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("d", [64, 80])
 def test_silu_and_mul(dtype, d):
-    from kernels.triton_ops import silu_and_mul
+    from conveyor.kernels.triton_ops import silu_and_mul
 
     x = 4 * _rand(3, 2, 2 * d, dtype=dtype, seed=d)
     got = silu_and_mul(x)

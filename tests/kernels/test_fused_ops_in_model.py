@@ -12,10 +12,10 @@ from collections import Counter
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models.llama import MLP, RMSNorm, kernel_ops, use_kernel_ops
-from engine.testing import build_tiny_model
-from kernels import reference
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.models.llama import MLP, RMSNorm, kernel_ops, use_kernel_ops
+from conveyor.engine.testing import build_tiny_model
+from conveyor.kernels import reference
 
 from ._helpers import DEVICE
 
@@ -31,7 +31,7 @@ def _llm(path) -> LLM:
 
 
 def test_kernel_ops_picks_the_triton_kernels_only_on_cuda_with_the_triton_backend():
-    from kernels import fused_ops
+    from conveyor.kernels import fused_ops
 
     assert kernel_ops(torch.device("cuda"), "triton") is fused_ops
     assert kernel_ops(torch.device("cuda", 1), "triton") is fused_ops
@@ -41,7 +41,7 @@ def test_kernel_ops_picks_the_triton_kernels_only_on_cuda_with_the_triton_backen
 
 
 def test_a_model_on_the_cuda_path_runs_the_fused_ops_and_matches_the_references(tmp_path, monkeypatch):
-    from kernels import fused_ops
+    from conveyor.kernels import fused_ops
 
     path = build_tiny_model(tmp_path / "llama", "llama", num_layers=NUM_LAYERS)
     fused, ref = _llm(path), _llm(path)

@@ -13,10 +13,10 @@ from collections import Counter
 
 import torch
 
-from engine import LLM
-from engine.models.llama import kernel_ops, use_kernel_ops
-from engine.models.qwen3_5 import GatedDeltaNet
-from kernels import gated_delta
+from conveyor.engine import LLM
+from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
+from conveyor.engine.models.qwen3_5 import GatedDeltaNet
+from conveyor.kernels import gated_delta
 from tests.engine.helpers import spy
 from tests.engine.reference import HFReference, assert_outputs_match, greedy
 
@@ -34,7 +34,7 @@ MAX_TOKENS = [9, 6, 12, 5]
 def _on_the_cuda_path(llm: LLM, monkeypatch) -> Counter[str]:
     """Switch a CPU engine's model to the Triton kernels (on CUDA: check it chose them); the
     kernels' calls, counted."""
-    from kernels import gated_delta_triton
+    from conveyor.kernels import gated_delta_triton
 
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]

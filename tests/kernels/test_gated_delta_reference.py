@@ -1,4 +1,4 @@
-"""The gated delta rule and causal conv1d references (``kernels.gated_delta``) against
+"""The gated delta rule and causal conv1d references (``conveyor.kernels.gated_delta``) against
 transformers' own torch implementations, and the chunked form against the recurrent one:
 with a carried state, grouped value heads, lengths around the chunk size, and split calls."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from kernels import reference
-from kernels.gated_delta import l2_normalise
+from conveyor.kernels import reference
+from conveyor.kernels.gated_delta import l2_normalise
 
 
 def _inputs(length: int, heads: int = 4, dk: int = 16, dv: int = 8, seed: int = 0):
@@ -81,7 +81,7 @@ def test_causal_conv1d_matches_transformers_across_chunks_and_decodes():
 def test_snapshots_are_the_states_after_each_row():
     """A verification-sized prefill (at most ``1 + S`` rows) leaves the conv and recurrent states
     after each of its first rows in snapshot ``position % S``; a longer one leaves none."""
-    from kernels import gated_delta
+    from conveyor.kernels import gated_delta
 
     num_snapshots, position, heads = 3, 7, 2
     q, k, v, g, beta, state = _inputs(4, heads=heads)

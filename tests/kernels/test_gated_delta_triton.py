@@ -1,5 +1,5 @@
-"""The gated delta rule's Triton kernels (``kernels.gated_delta_triton``) against their torch
-references (``kernels.gated_delta``), in the interpreter on CPU: the decode update and the chunked
+"""The gated delta rule's Triton kernels (``conveyor.kernels.gated_delta_triton``) against their torch
+references (``conveyor.kernels.gated_delta``), in the interpreter on CPU: the decode update and the chunked
 prefill, with grouped value heads, states in scattered slots, fresh and continuing sequences,
 lengths around the kernel's chunk, and bf16 inputs and outputs (the arithmetic is float32)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gated_delta as ref
-from kernels.gated_delta import l2_normalise
+from conveyor.kernels import gated_delta as ref
+from conveyor.kernels.gated_delta import l2_normalise
 from tests.kernels._helpers import DEVICE, Tol
 
-triton_delta = pytest.importorskip("kernels.gated_delta_triton")
+triton_delta = pytest.importorskip("conveyor.kernels.gated_delta_triton")
 
 TOL = {torch.float32: Tol(atol=1e-4, rtol=1e-4), torch.bfloat16: Tol(atol=2e-2, rtol=2e-2)}
 
@@ -147,7 +147,7 @@ def test_prefill_then_decodes_continue_the_recurrence():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_update_matches_the_reference_over_steps(dtype):
     """Three decode steps of the causal conv1d over states in slots (one sequence fresh at the
-    first), against ``kernels.gated_delta.causal_conv1d_update``; other slots untouched."""
+    first), against ``conveyor.kernels.gated_delta.causal_conv1d_update``; other slots untouched."""
     gen = torch.Generator().manual_seed(8)
     channels, taps, batch = 300, 4, 3  # more channels than one program's block
     weight = torch.randn(channels, taps, generator=gen).to(dtype)

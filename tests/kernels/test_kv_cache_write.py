@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import write_kv_cache as ref_write_kv_cache
+from conveyor.kernels.reference import write_kv_cache as ref_write_kv_cache
 
 from ._helpers import DEVICE, DTYPES
 
@@ -16,7 +16,7 @@ def _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype):
 
 
 def _check(k, v, slots, k_cache, v_cache):
-    from kernels.triton_ops import write_kv_cache
+    from conveyor.kernels.triton_ops import write_kv_cache
 
     rk, rv = k_cache.cpu().clone(), v_cache.cpu().clone()
     ref_write_kv_cache(k.cpu(), v.cpu(), rk, rv, slots.cpu())

@@ -1,4 +1,4 @@
-"""The Triton MLA decode kernel against the torch reference (``kernels.reference.mla_decode``),
+"""The Triton MLA decode kernel against the torch reference (``conveyor.kernels.reference.mla_decode``),
 in the interpreter on CPU: scattered blocks, contexts of one token to several blocks, head
 counts that leave a head block part-full, widths that are not powers of two, split keys."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_decode import mla_decode
-from kernels.reference import mla_decode as ref_mla_decode
-from kernels.utils import cdiv
+from conveyor.kernels.mla_decode import mla_decode
+from conveyor.kernels.reference import mla_decode as ref_mla_decode
+from conveyor.kernels.utils import cdiv
 from tests.kernels._helpers import DEVICE, DTYPES, TOL
 
 

@@ -10,7 +10,7 @@ from ._helpers import DEVICE, TOL, make_batch, reference_attention
 
 
 def _attn():
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     return paged_attention
 
@@ -36,7 +36,7 @@ def test_split_kv_long_context_decode():
 
 
 def test_auto_split_heuristic():
-    from kernels.triton_ops import choose_num_kv_splits
+    from conveyor.kernels.triton_ops import choose_num_kv_splits
 
     # small decode batch on a big GPU: split; big batch or prefill: don't
     assert choose_num_kv_splits(1, 8, 1, 2048, 64, 132) > 1
@@ -55,8 +55,8 @@ def test_auto_split_heuristic():
 def test_decode_split_count_is_what_the_kernel_chooses(monkeypatch, dtype, num_kv_heads, group, head_dim):
     """``decode_num_kv_splits`` (pinned by CUDA graphs) predicts the automatic choice for a
     decode batch, whatever the dtype's tile shapes."""
-    import kernels.paged_attention as pa
-    from kernels.triton_ops import decode_num_kv_splits
+    import conveyor.kernels.paged_attention as pa
+    from conveyor.kernels.triton_ops import decode_num_kv_splits
 
     chosen: list[int] = []
     choose = pa.choose_num_kv_splits

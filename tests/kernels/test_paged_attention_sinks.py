@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_attention as ref_paged_attention
+from conveyor.kernels.reference import paged_attention as ref_paged_attention
 
 from ._helpers import DEVICE, TOL, make_batch
 
@@ -29,7 +29,7 @@ def _sinks(num_q_heads: int, dtype: torch.dtype, seed: int = 11) -> torch.Tensor
     ids=["sinks", "sinks-split3", "window8-sinks", "window5-sinks-split2", "sinks-default-tiles"],
 )
 def test_sinks_match_the_reference(dtype, window, splits, tile_n):
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     batch = make_batch(REQUESTS, num_kv_heads=2, group=2, head_dim=32, block_size=4, dtype=dtype, seed=7)
     sinks = _sinks(4, dtype)
@@ -42,7 +42,7 @@ def test_sinks_match_the_reference(dtype, window, splits, tile_n):
 
 
 def test_sinks_of_the_wrong_shape_are_refused():
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     batch = make_batch([(0, 2)], num_kv_heads=1, group=2, seed=0)
     with pytest.raises(ValueError, match="sinks must be"):

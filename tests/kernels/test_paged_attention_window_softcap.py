@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_attention as ref_paged_attention
+from conveyor.kernels.reference import paged_attention as ref_paged_attention
 
 from ._helpers import TOL, make_batch
 
@@ -17,7 +17,7 @@ REQUESTS = [(30, 1), (0, 21), (13, 9), (3, 1), (40, 5)]
 
 
 def _run(batch, **kwargs):
-    from kernels.triton_ops import paged_attention
+    from conveyor.kernels.triton_ops import paged_attention
 
     return paged_attention(*batch.args(), **kwargs)
 

@@ -1,4 +1,4 @@
-"""The quantized-weight Triton GEMMs vs kernels.reference: W4A16 (int4 groups dequantized in
+"""The quantized-weight Triton GEMMs vs conveyor.kernels.reference: W4A16 (int4 groups dequantized in
 its K loop), block FP8 (e4m3 read as the type, or its bytes decoded as sm_80 needs) and GGUF
 Q8_0 and Q4_K (against the gguf library's dequantization), and their compilation for sm_90 and sm_80
 without register spills."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference as ref
+from conveyor.kernels import reference as ref
 
 from ._helpers import DEVICE, DTYPES, TOL
 
@@ -38,7 +38,7 @@ def _int4_weight(n: int, k: int, group_size: int, seed: int):
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(48, 128, 32), (64, 256, 128), (80, 192, 64)])
 def test_w4a16_gemm_matches_the_reference(dtype, m, n, k, group_size):
-    from kernels.quant_gemm import w4a16_gemm
+    from conveyor.kernels.quant_gemm import w4a16_gemm
 
     qweight, scales, zeros, dense = _int4_weight(n, k, group_size, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -84,7 +84,7 @@ def test_quant_gemm_kernels_compile_for_gpu_without_spills():
     ids=["128x128-edge", "32x64-edge", "16x32", "per-tensor"],
 )
 def test_fp8_block_gemm_matches_the_reference(dtype, m, n, k, block, decode_e4m3):
-    from kernels.quant_gemm import fp8_block_gemm
+    from conveyor.kernels.quant_gemm import fp8_block_gemm
 
     g = torch.Generator().manual_seed(n + k)
     # Subnormals, normals and the largest values (448) all appear.
@@ -106,8 +106,8 @@ def test_q8_0_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from kernels.gguf_blocks import split_q8_0
-    from kernels.quant_gemm import q8_0_gemm
+    from conveyor.kernels.gguf_blocks import split_q8_0
+    from conveyor.kernels.quant_gemm import q8_0_gemm
 
     rng = np.random.default_rng(n + k)
     raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q8_0)
@@ -142,8 +142,8 @@ def _q4_k_blocks(n: int, k: int, seed: int):
 def test_q4_k_gemm_matches_the_gguf_library_dequantization(dtype, m, n, k):
     from gguf import GGMLQuantizationType, quants
 
-    from kernels.gguf_blocks import split_q4_k
-    from kernels.quant_gemm import q4_k_gemm
+    from conveyor.kernels.gguf_blocks import split_q4_k
+    from conveyor.kernels.quant_gemm import q4_k_gemm
 
     raw = _q4_k_blocks(n, k, seed=n + k)
     dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype("float32"))

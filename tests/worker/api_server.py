@@ -12,17 +12,17 @@ import openai
 import pytest
 import uvicorn
 
+from conveyor.worker.api.app import create_app
+from conveyor.worker.api.http_server import uvicorn_options
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.store.api_keys import create_key
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import WorkerState
+from conveyor.worker.store.schema import ensure_schema
+from conveyor.worker.store.workers import register_worker, set_worker_state
 from tests.worker.api_batches import MODEL
 from tests.worker.helpers import jsonl
 from tests.worker.services import free_port
-from worker.api.app import create_app
-from worker.api.http_server import uvicorn_options
-from worker.core.settings import Settings
-from worker.store.api_keys import create_key
-from worker.store.database import create_db_engine
-from worker.store.models import WorkerState
-from worker.store.schema import ensure_schema
-from worker.store.workers import register_worker, set_worker_state
 
 
 class ApiServer:

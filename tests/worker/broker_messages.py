@@ -12,8 +12,8 @@ from typing import Any
 
 from kombu import Connection, Exchange, Queue
 
+from conveyor.worker.entrypoints.client import Client
 from tests.worker.helpers import REPO, Stack, jsonl
-from worker.entrypoints.client import Client
 
 EXAMPLE = REPO / "examples" / "broker_producer.py"
 

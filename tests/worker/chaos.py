@@ -25,14 +25,14 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from conveyor.worker.store.api_keys import create_key
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, Shard
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.autoscaler import Autoscaler, Pod, scaled_object_trigger
 from tests.worker.helpers import PYTHON, REPO, Stack, WorkerProc, _die_with_parent, make_values, scrape
 from tests.worker.private_services import PrivatePostgres, PrivateRedis, PrivateS3
 from tests.worker.services import free_port
-from worker.store.api_keys import create_key
-from worker.store.database import create_db_engine
-from worker.store.models import Item, Shard
-from worker.store.schema import upgrade_database
 
 FAULTS = ("worker_sigkill", "worker_sigterm", "redis_restart", "postgres_restart", "s3_outage", "api_killed")
 MODEL = "tiny-chat"
@@ -137,7 +137,16 @@ class ChaosDeployment:
         return proc
 
     def start_api(self) -> None:
-        argv = [PYTHON, "-m", "worker.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(self.api_port)]
+        argv = [
+            PYTHON,
+            "-m",
+            "conveyor.worker.entrypoints.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.api_port),
+        ]
         with open(self.workdir / "api.log", "ab") as log:
             self.api = subprocess.Popen(
                 [*argv, "--no-access-log"], cwd=REPO, env=self.stack.env(), stdout=log, stderr=subprocess.STDOUT,
@@ -350,7 +359,7 @@ def run_job_under_faults(
     then wait for it (at most ``timeout_s``) and check every line is answered exactly once."""
     import json
 
-    from worker.entrypoints.client import Client
+    from conveyor.worker.entrypoints.client import Client
 
     if dep.autoscaler._thread is None:
         dep.autoscaler.start()
@@ -429,7 +438,7 @@ def run_job_under_faults(
 
 
 def _status(dep: ChaosDeployment, job_id: str) -> str | None:
-    from worker.store.models import Job
+    from conveyor.worker.store.models import Job
 
     try:
         with dep.db.connect() as conn:

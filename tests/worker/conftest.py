@@ -59,8 +59,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
 @pytest.fixture
 def db_engine(db_url: str):
     """An engine on a database migrated to head."""
-    from worker.store.database import create_db_engine
-    from worker.store.schema import upgrade_database
+    from conveyor.worker.store.database import create_db_engine
+    from conveyor.worker.store.schema import upgrade_database
 
     upgrade_database(db_url)
     engine = create_db_engine(db_url)
@@ -139,8 +139,8 @@ def shared_bucket(s3_client) -> str:
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path):
     """An empty root object store: a local directory, or a fresh prefix in an S3 bucket."""
-    from worker.store.objects.local import LocalStore
-    from worker.store.objects.s3 import S3Store
+    from conveyor.worker.store.objects.local import LocalStore
+    from conveyor.worker.store.objects.s3 import S3Store
 
     if request.param == "local":
         return LocalStore(tmp_path / "objects")
@@ -226,10 +226,10 @@ def embedded_stack(tmp_path, tiny_model):
 
 
 def _service_stack(tmp_path, tiny_model, pg_url, broker: dict, storage_url: str, extra_env: dict):
+    from conveyor.worker.broker.queues import intake_queue_name, queue_name, submit_queue_name
+    from conveyor.worker.jobs.model_names import canonical_model
+    from conveyor.worker.store.schema import upgrade_database
     from tests.worker.helpers import Stack, make_values
-    from worker.broker.queues import intake_queue_name, queue_name, submit_queue_name
-    from worker.jobs.model_names import canonical_model
-    from worker.store.schema import upgrade_database
 
     upgrade_database(pg_url)  # what `conveyor db upgrade` does; workers refuse an empty schema
     options = {k: v for k, v in broker.items() if not k.startswith("_")}

@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from sqlalchemy import func, select
 
-from worker.batchio.records import LineError, ParsedRequest
-from worker.core.settings import Settings
-from worker.store.models import Item, ItemStatus
-from worker.store.objects.base import ObjectStore
+from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.store.models import Item, ItemStatus
+from conveyor.worker.store.objects.base import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -92,7 +92,7 @@ def _die_with_parent() -> None:
 
 
 class WorkerProc:
-    """A worker in a subprocess (``conveyor worker`` or plain ``celery -A worker.app worker``)."""
+    """A worker in a subprocess (``conveyor worker`` or plain ``celery -A conveyor.worker.app worker``)."""
 
     def __init__(
         self,
@@ -104,9 +104,17 @@ class WorkerProc:
         extra_args: Sequence[str] = (),
     ) -> None:
         if plain_celery:
-            args = ["celery", "-A", "worker.app", "worker", "--loglevel=INFO", "--without-mingle", "--without-gossip"]
+            args = [
+                "celery",
+                "-A",
+                "conveyor.worker.app",
+                "worker",
+                "--loglevel=INFO",
+                "--without-mingle",
+                "--without-gossip",
+            ]
         else:
-            args = ["worker.entrypoints.cli", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
+            args = ["conveyor.worker.entrypoints.cli", "worker", f"--concurrency={concurrency}", "--loglevel=INFO"]
         argv = [PYTHON, "-m", *args, *extra_args]
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import json
 
-from worker.batchio.readers import iter_input
-from worker.batchio.records import LineError, ParsedRequest
-from worker.batchio.request_body import CHAT
-from worker.core.limits import InputLimits
+from conveyor.worker.batchio.readers import iter_input
+from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.batchio.request_body import CHAT
+from conveyor.worker.core.limits import InputLimits
 
 LIMITS = InputLimits(max_line_bytes=2048, max_lines=100, max_input_bytes=1 << 20, max_tokens=4096)
 

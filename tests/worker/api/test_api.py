@@ -11,13 +11,13 @@ import pytest
 from openai.types import FileObject
 from sqlalchemy import select
 
+from conveyor.worker.broker.queues import queue_name
+from conveyor.worker.jobs.model_names import canonical_model
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Worker
 from tests.worker.api_batches import CHAT, MODEL, batch_lines, check_api_batch, raw_batch, wait_batch
 from tests.worker.helpers import SLOW_ENGINE, jsonl, scrape, wait_for
 from tests.worker.openai_shapes import check_output_line
-from worker.broker.queues import queue_name
-from worker.jobs.model_names import canonical_model
-from worker.store.database import create_db_engine
-from worker.store.models import Worker
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 

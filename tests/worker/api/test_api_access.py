@@ -14,10 +14,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from conveyor.worker.store.objects.factory import open_store_from_settings
 from tests.worker.api_batches import CHAT, batch_lines, check_api_batch, raw_batch
 from tests.worker.api_server import upload
 from tests.worker.helpers import jsonl, wait_for
-from worker.store.objects.factory import open_store_from_settings
 
 
 def test_keys_see_only_their_own_files_and_batches(server) -> None:
@@ -58,7 +58,7 @@ def test_a_cancel_answers_cancelling_at_once_and_the_batch_then_ends_cancelled(s
 
 
 def test_a_missing_wrong_or_revoked_key_gets_401(server, env, embedded_stack, capsys) -> None:
-    from worker.entrypoints.cli import main
+    from conveyor.worker.entrypoints.cli import main
 
     key = server.new_key("carol")
     assert server.client(key).files.list().data == []

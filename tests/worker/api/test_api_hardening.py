@@ -184,7 +184,7 @@ def test_a_form_of_many_empty_parts_is_refused(server) -> None:
 def test_a_workers_metrics_server_drops_half_sent_requests(tmp_path) -> None:
     from prometheus_client import CollectorRegistry
 
-    from worker.metrics.server import MetricsServer
+    from conveyor.worker.metrics.server import MetricsServer
 
     metrics = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, request_timeout=1.0)
     try:
@@ -203,7 +203,7 @@ def test_metrics_and_readiness_detail_need_a_token_or_a_key(server) -> None:
     import httpx2 as httpx
     from prometheus_client import CollectorRegistry
 
-    from worker.metrics.server import MetricsServer
+    from conveyor.worker.metrics.server import MetricsServer
 
     anonymous = httpx.get(f"{server.url}/metrics")
     assert anonymous.status_code == 401 and "database" not in anonymous.text

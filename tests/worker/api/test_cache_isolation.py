@@ -10,10 +10,10 @@ from typing import Any, Final
 
 import openai
 
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.cache_salt import cache_salt
 from tests.worker.api_batches import MODEL, wait_batch
 from tests.worker.helpers import jsonl
-from worker.core.settings import Settings
-from worker.jobs.cache_salt import cache_salt
 
 COMPLETIONS: Final = "/v1/completions"
 BEFORE = "Account notes for the branch office. The customer asked us to keep this on file. " * 2
@@ -86,8 +86,8 @@ def _cached_of(client, job_id: str) -> int:
 def test_jobs_without_a_key_share_only_where_the_operator_says(embedded_stack, spawn_worker) -> None:
     """``conveyor submit`` (and a broker producer) has no API key: each job is its own owner,
     unless the operator names one salt for all of them (``CONVEYOR_UNOWNED_CACHE_SALT``)."""
+    from conveyor.worker.entrypoints.client import Client
     from tests.worker.helpers import jsonl as to_jsonl
-    from worker.entrypoints.client import Client
 
     line = {"custom_id": "pin", "method": "POST", "url": COMPLETIONS,
             "body": {"prompt": template(PIN), "max_tokens": 2, "temperature": 0}}  # fmt: skip

@@ -8,15 +8,15 @@ from __future__ import annotations
 import openai
 import pytest
 
+from conveyor.worker.core.settings import ConfigError, read_settings
+from conveyor.worker.entrypoints import cli
+from conveyor.worker.metrics.exposition import ApiMetrics
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import WorkerState
+from conveyor.worker.store.workers import register_worker, set_worker_state
 from tests.worker.api_batches import batch_lines
 from tests.worker.api_server import ApiServer
 from tests.worker.helpers import Scrape, jsonl
-from worker.core.settings import ConfigError, read_settings
-from worker.entrypoints import cli
-from worker.metrics.exposition import ApiMetrics
-from worker.store.database import create_db_engine
-from worker.store.models import WorkerState
-from worker.store.workers import register_worker, set_worker_state
 
 DECLARED, RETIRED = "tiny-chat", "org/retired-model"
 

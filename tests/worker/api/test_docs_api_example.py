@@ -41,7 +41,7 @@ def test_the_docs_api_quick_start_runs_as_written(tiny_model, tmp_path) -> None:
     def argv(words: list[str]) -> list[str]:
         assert words[0] == "conveyor", words
         swapped = [tiny_model if w == ".cache/smollm2" else w for w in words[1:]]
-        return [sys.executable, "-m", "worker.entrypoints.cli", *swapped]
+        return [sys.executable, "-m", "conveyor.worker.entrypoints.cli", *swapped]
 
     made = subprocess.run(argv(keys[:-2]), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr

@@ -12,8 +12,8 @@ from typing import Any, Final
 import openai
 import pytest
 
+from conveyor.worker.batchio.batch_scan import BatchScanner
 from tests.worker.helpers import jsonl, openai_lines
-from worker.batchio.batch_scan import BatchScanner
 
 CHAT: Final = "/v1/chat/completions"
 MODEL = "tiny-chat"
@@ -122,8 +122,8 @@ def test_declared_length_over_the_bytes_quota_is_refused_before_the_body() -> No
     # The declared length less the multipart envelope is a lower bound of the file's size.
     from starlette.requests import Request
 
-    from worker.api.quota_checks import declared_length
-    from worker.api.uploads import MULTIPART_OVERHEAD
+    from conveyor.worker.api.quota_checks import declared_length
+    from conveyor.worker.api.uploads import MULTIPART_OVERHEAD
 
     def request(length: str) -> Request:
         return Request({"type": "http", "headers": [(b"content-length", length.encode())]})

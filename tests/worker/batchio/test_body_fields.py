@@ -15,15 +15,15 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from transformers import AutoTokenizer
 
-from engine import SamplingParams
+from conveyor.engine import SamplingParams
+from conveyor.worker.batchio.records import ParsedRequest
+from conveyor.worker.batchio.request_body import COMPLETIONS
+from conveyor.worker.entrypoints.cli import main
 from tests.engine.reference import oracle_model
 from tests.worker.helpers import as_line_error, as_request, jsonl
 from tests.worker.lines import LIMITS as FORMAT_LIMITS
 from tests.worker.lines import batch_line, chat_line, one
 from tests.worker.openai_shapes import BatchRequestOutput, check_output_line
-from worker.batchio.records import ParsedRequest
-from worker.batchio.request_body import COMPLETIONS
-from worker.entrypoints.cli import main
 
 LIMITS = dataclasses.replace(FORMAT_LIMITS, max_line_bytes=64 * 1024)  # room for 300 biases
 

@@ -13,9 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.worker.helpers import as_line_error, as_request
-from tests.worker.lines import LIMITS, batch_line, chat_line, one, parse
-from worker.batchio.output_lines import (
+from conveyor.worker.batchio.output_lines import (
     Choice,
     dumps_line,
     error_line,
@@ -25,9 +23,11 @@ from worker.batchio.output_lines import (
     response_body,
     stable_id,
 )
-from worker.batchio.readers import detect_format, iter_input
-from worker.batchio.records import InputError, InputTooLarge, LineError, ParsedRequest
-from worker.batchio.request_body import CHAT, COMPLETIONS
+from conveyor.worker.batchio.readers import detect_format, iter_input
+from conveyor.worker.batchio.records import InputError, InputTooLarge, LineError, ParsedRequest
+from conveyor.worker.batchio.request_body import CHAT, COMPLETIONS
+from tests.worker.helpers import as_line_error, as_request
+from tests.worker.lines import LIMITS, batch_line, chat_line, one, parse
 
 # ---- good lines ---------------------------------------------------------------------------
 
@@ -107,9 +107,7 @@ def test_byte_order_mark_and_crlf() -> None:
 
 
 def test_sampling_dicts_build_engine_sampling_params(monkeypatch: pytest.MonkeyPatch) -> None:
-    path = Path(__file__).resolve().parents[3] / "engine" / "sampling_params.py"
-    if not path.is_file():
-        pytest.skip("engine/sampling_params.py is not there yet")
+    path = Path(__file__).resolve().parents[3] / "conveyor" / "engine" / "sampling_params.py"
     spec = importlib.util.spec_from_file_location("_sampling_params_under_test", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

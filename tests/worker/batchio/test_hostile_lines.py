@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conveyor.worker.batchio.output_lines import dumps_line, line_error_line
+from conveyor.worker.batchio.readers import iter_input
+from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.core.limits import InputLimits
 from tests.worker.fuzz_lines import FIELDS, json_text
-from worker.batchio.output_lines import dumps_line, line_error_line
-from worker.batchio.readers import iter_input
-from worker.batchio.records import LineError, ParsedRequest
-from worker.core.limits import InputLimits
 
 LIMITS = InputLimits(max_line_bytes=64 * 1024, max_lines=10_000, max_input_bytes=16 << 20)
 HUGE = "9" * 5000  # over Python's 4,300-digit int-string limit

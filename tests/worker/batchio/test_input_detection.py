@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from worker.batchio.readers import detect_format, iter_input, peek
-from worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
-from worker.core.limits import InputLimits
+from conveyor.worker.batchio.readers import detect_format, iter_input, peek
+from conveyor.worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
+from conveyor.worker.core.limits import InputLimits
 
 LIMITS = InputLimits()
 

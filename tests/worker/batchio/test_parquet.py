@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from conveyor.worker.batchio.readers import detect_format, iter_input
+from conveyor.worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
+from conveyor.worker.core.limits import InputLimits
+from conveyor.worker.entrypoints.cli import main
 from tests.worker.helpers import as_request
-from worker.batchio.readers import detect_format, iter_input
-from worker.batchio.records import InputError, InputFormat, LineError, ParsedRequest
-from worker.core.limits import InputLimits
-from worker.entrypoints.cli import main
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

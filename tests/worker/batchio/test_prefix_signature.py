@@ -3,7 +3,7 @@ under the cache salt and the model."""
 
 from __future__ import annotations
 
-from worker.batchio.prefix_signature import (
+from conveyor.worker.batchio.prefix_signature import (
     DEPTHS,
     canonical_prompt,
     grouping_key,
@@ -12,8 +12,8 @@ from worker.batchio.prefix_signature import (
     shared_levels,
     signature_of_text,
 )
-from worker.batchio.records import ParsedRequest
-from worker.batchio.tools import ToolRequest
+from conveyor.worker.batchio.records import ParsedRequest
+from conveyor.worker.batchio.tools import ToolRequest
 
 KEY = grouping_key("owner:k1", "llama")
 

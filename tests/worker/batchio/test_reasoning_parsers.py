@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from worker.batchio.body_errors import InvalidRequest
-from worker.batchio.reasoning_parsers import (
+from conveyor.worker.batchio.body_errors import InvalidRequest
+from conveyor.worker.batchio.reasoning_parsers import (
     Gemma4Parser,
     HarmonyParser,
     ReasoningParser,
@@ -17,8 +17,8 @@ from worker.batchio.reasoning_parsers import (
     choose_parser,
     parser_named,
 )
-from worker.batchio.responses_body import chat_body
-from worker.batchio.tool_parsers import parse_tool_calls
+from conveyor.worker.batchio.responses_body import chat_body
+from conveyor.worker.batchio.tool_parsers import parse_tool_calls
 
 
 @pytest.mark.parametrize(

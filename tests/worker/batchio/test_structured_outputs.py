@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
+from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.batchio.request_body import COMPLETIONS
+from conveyor.worker.batchio.tool_parsers import parse_tool_calls
+from conveyor.worker.batchio.tools import NAMED, REQUIRED, ToolRequest, answer
+from conveyor.worker.core.limits import InputLimits
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
 from tests.structured_schemas import SCHEMAS, validate
 from tests.worker.helpers import REPO, as_request, jsonl, parse_lines
 from tests.worker.lines import batch_line, chat_line
 from tests.worker.lines import one as one_with
-from worker.batchio.records import LineError, ParsedRequest
-from worker.batchio.request_body import COMPLETIONS
-from worker.batchio.tool_parsers import parse_tool_calls
-from worker.batchio.tools import NAMED, REQUIRED, ToolRequest, answer
-from worker.core.limits import InputLimits
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
 
 STRUCTURED_EXAMPLE = REPO / "examples" / "structured.jsonl"
 

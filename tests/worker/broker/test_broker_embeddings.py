@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
+from conveyor.worker.entrypoints.client import Client
 from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors, sentence_transformers_encoder
 from tests.worker.broker_messages import load_example, producer, reply_queue, upload
 from tests.worker.helpers import Stack
 from tests.worker.openai_shapes import check_output_line
-from worker.entrypoints.client import Client
 
 
 @pytest.fixture(scope="module")

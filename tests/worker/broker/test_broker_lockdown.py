@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
+from conveyor.worker.broker.queues import RUN_SHARD, SUBMIT_JOB, model_queue, queue_name, submit_queue_name
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.jobs.model_names import canonical_model
 from tests.worker.broker_messages import load_example, producer, reply_queue, upload
 from tests.worker.helpers import openai_lines, wait_for
-from worker.broker.queues import RUN_SHARD, SUBMIT_JOB, model_queue, queue_name, submit_queue_name
-from worker.entrypoints.client import Client
-from worker.jobs.model_names import canonical_model
 
 
 @pytest.fixture(params=["pg_redis_s3_stack", "pg_amqp_s3_stack"])
@@ -87,9 +87,9 @@ def test_a_failed_attempt_is_sent_again_without_a_delay_header(embedded_stack, m
     out the backoff itself, then sends the shard again as a plain message."""
     from kombu import Connection
 
-    from worker.broker import tasks
-    from worker.broker.app import create_app
-    from worker.execution.shard_runner import RetryShard
+    from conveyor.worker.broker import tasks
+    from conveyor.worker.broker.app import create_app
+    from conveyor.worker.execution.shard_runner import RetryShard
 
     def failing(ctx, job_id: str, shard_index: int):
         raise RetryShard("engine exploded", attempts=1)
@@ -111,10 +111,10 @@ def test_a_failed_attempt_is_sent_again_without_a_delay_header(embedded_stack, m
 
 
 def test_every_worker_starts_without_mingle_gossip_or_heartbeat(embedded_stack, monkeypatch) -> None:
-    """Also under plain ``celery -A worker.app worker``, whose command line may not say so."""
+    """Also under plain ``celery -A conveyor.worker.app worker``, whose command line may not say so."""
     from celery.apps.worker import Worker
 
-    from worker.broker.app import create_app
+    from conveyor.worker.broker.app import create_app
 
     seen: dict = {}
     monkeypatch.setattr(Worker, "__init__", lambda self, *args, **kwargs: seen.update(kwargs))

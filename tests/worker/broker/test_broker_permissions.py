@@ -14,11 +14,11 @@ from contextlib import suppress
 import pytest
 from kombu import Connection, Exchange, Queue
 
+from conveyor.worker.broker.queues import SUBMIT_JOB, queue_name
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.jobs.model_names import canonical_model
 from tests.worker.broker_messages import load_example, upload
 from tests.worker.helpers import openai_lines
-from worker.broker.queues import SUBMIT_JOB, queue_name
-from worker.entrypoints.client import Client
-from worker.jobs.model_names import canonical_model
 
 HOST = "127.0.0.1:5672"
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.jobs.submission import SubmitOptions, create_job
+from conveyor.worker.store.models import Job, Shard
 from tests.worker.broker_messages import EXAMPLE, drain, load_example, producer, publish_task, reply_queue, upload
 from tests.worker.helpers import REPO, Stack, assert_each_request_once, openai_lines, wait_for
-from worker.entrypoints.client import Client
-from worker.jobs.submission import SubmitOptions, create_job
-from worker.store.models import Job, Shard
 
 
 def jobs_with_key(client: Client, key: str) -> list[Any]:  # rows of the jobs table

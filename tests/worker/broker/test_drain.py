@@ -12,11 +12,11 @@ import urllib.request
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, Shard, ShardStatus
 from tests.worker.helpers import SLOW_ENGINE, assert_each_request_once, jsonl, openai_lines, wait_for
 from tests.worker.services import free_port
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Item, Shard, ShardStatus
 
 # SLOW_ENGINE: one request at a time, so a shard of 48 x 256 tokens takes some 10 s on the tiny model.
 DRAIN_TIMEOUT = 4.0

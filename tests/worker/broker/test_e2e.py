@@ -6,11 +6,11 @@ import json
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.entrypoints.local_runner import run_job
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import EngineSnapshot, Item, Shard, ShardStatus
 from tests.worker.helpers import REPO, jsonl, openai_lines, parse_lines, wait_for
-from worker.entrypoints.client import Client
-from worker.entrypoints.local_runner import run_job
-from worker.store.database import create_db_engine
-from worker.store.models import EngineSnapshot, Item, Shard, ShardStatus
 
 EXAMPLE = REPO / "examples" / "requests.jsonl"  # chat
 COMPLETIONS_EXAMPLE = REPO / "examples" / "completions.jsonl"
@@ -58,7 +58,7 @@ def _check_completions_example_job(client: Client, job: dict) -> None:
 
 
 def test_embedded_defaults_queued_matches_in_process_run(embedded_stack, spawn_worker) -> None:
-    """Plain `celery -A worker.app worker` on SQLite + the SQLAlchemy broker + a local
+    """Plain `celery -A conveyor.worker.app worker` on SQLite + the SQLAlchemy broker + a local
     directory; the in-process `conveyor run` path gives the same results."""
     worker = spawn_worker(embedded_stack, plain_celery=True)
     client = Client(embedded_stack.settings)

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from worker.broker.app import create_app
-from worker.broker.queues import model_queue, queue_name
-from worker.core.settings import Settings
-from worker.jobs.model_names import InvalidModel, canonical_model
+from conveyor.worker.broker.app import create_app
+from conveyor.worker.broker.queues import model_queue, queue_name
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.model_names import InvalidModel, canonical_model
 
 SAFE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # what RabbitMQ, Redis and SQS all accept
 
@@ -61,7 +61,7 @@ def test_the_celery_app_is_json_only_with_late_acks_its_model_queue_intake_and_s
     assert conf.worker_pool == "threads"
     name = queue_name(canonical_model(tiny_model), "qtest")
     queues = [q.name for q in conf.task_queues]
-    # (the intake queue is consumed by a lane of its own: worker.broker.intake_lane)
+    # (the intake queue is consumed by a lane of its own: conveyor.worker.broker.intake_lane)
     assert conf.task_default_queue == name and queues == [name, "qtest-submit"]
     assert model_queue(name).exchange.name == name
     tasks = {"conveyor.run_shard", "conveyor.finalize_job", "conveyor.ingest_job", "conveyor.submit_job"}
@@ -74,8 +74,8 @@ def test_prefix_must_be_broker_safe() -> None:
 
 
 def test_engine_args_come_from_json_env_and_unknown_fields_are_named(monkeypatch, tiny_model) -> None:
-    from worker.core.settings import ConfigError
-    from worker.execution.context import engine_config
+    from conveyor.worker.core.settings import ConfigError
+    from conveyor.worker.execution.context import engine_config
 
     monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"max_num_seqs": 8, "num_kv_blocks": 64}')
     config = engine_config(Settings(), tiny_model)
@@ -88,8 +88,8 @@ def test_engine_args_come_from_json_env_and_unknown_fields_are_named(monkeypatch
 
 
 def test_admission_and_the_latency_target_are_engine_args(monkeypatch, tiny_model) -> None:
-    from worker.core.settings import ConfigError
-    from worker.execution.context import engine_config
+    from conveyor.worker.core.settings import ConfigError
+    from conveyor.worker.execution.context import engine_config
 
     monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"admission_policy": "predicted", "target_itl_ms": 50}')
     config = engine_config(Settings(), tiny_model)

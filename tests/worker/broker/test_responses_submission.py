@@ -9,10 +9,10 @@ import uuid
 import pytest
 from openai.types.responses import Response
 
+from conveyor.worker.entrypoints.client import Client
 from tests.engine.reasoning_models import OPENS_THINK_TEMPLATE, build_reasoning_model
 from tests.worker.broker_messages import load_example, producer, reply_queue, upload
 from tests.worker.helpers import Stack, make_values
-from worker.entrypoints.client import Client
 
 # Starts a worker process: seconds (tests/markers.py).
 pytestmark = pytest.mark.slow

@@ -11,18 +11,18 @@ import uuid
 import pytest
 from sqlalchemy import select
 
+from conveyor.worker.broker.config import celery_app
+from conveyor.worker.broker.queues import DEFAULT_QUEUE, intake_queue_name, queue_depth, submit_queue_name
+from conveyor.worker.broker.submission_consumer import SubmissionConsumer, Verdict
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.lifecycle import cancel_job
+from conveyor.worker.metrics.exposition import ApiMetrics
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Job, JobStatus
+from conveyor.worker.store.objects.local import LocalStore
 from tests.worker.api_server import ApiServer
 from tests.worker.broker_messages import load_example, producer, publish_task, reply_queue
 from tests.worker.helpers import Scrape, Stack, jsonl, openai_lines, wait_for
-from worker.broker.config import celery_app
-from worker.broker.queues import DEFAULT_QUEUE, intake_queue_name, queue_depth, submit_queue_name
-from worker.broker.submission_consumer import SubmissionConsumer, Verdict
-from worker.core.settings import Settings
-from worker.jobs.lifecycle import cancel_job
-from worker.metrics.exposition import ApiMetrics
-from worker.store.database import create_db_engine
-from worker.store.models import Job, JobStatus
-from worker.store.objects.local import LocalStore
 
 
 @pytest.mark.parametrize("stack_name", ["pg_redis_s3_stack", "pg_amqp_s3_stack"])

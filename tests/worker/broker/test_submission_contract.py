@@ -9,18 +9,18 @@ import pytest
 from openai.types import Batch
 from sqlalchemy import select
 
+from conveyor.worker.batchio.records import InputFormat
+from conveyor.worker.broker.envelope import body_problem, header_problem
+from conveyor.worker.broker.submission_contract import InvalidSubmission, check_reply_to, parse_submission
+from conveyor.worker.broker.submissions import handle_submission
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.keyed_submissions import record_refusal
+from conveyor.worker.jobs.lifecycle import get_job
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Job
+from conveyor.worker.store.objects.local import LocalStore
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import jsonl, openai_lines
-from worker.batchio.records import InputFormat
-from worker.broker.envelope import body_problem, header_problem
-from worker.broker.submission_contract import InvalidSubmission, check_reply_to, parse_submission
-from worker.broker.submissions import handle_submission
-from worker.core.settings import Settings
-from worker.jobs.keyed_submissions import record_refusal
-from worker.jobs.lifecycle import get_job
-from worker.store.database import create_db_engine
-from worker.store.models import Job
-from worker.store.objects.local import LocalStore
-from worker.store.schema import upgrade_database
 
 
 @pytest.fixture
@@ -302,7 +302,7 @@ def test_reply_to_stays_within_the_operators_prefix(tmp_path) -> None:
 
 def test_delayed_chained_and_oversized_messages_are_named() -> None:
     """What the worker's checked request and the API server's submission consumer refuse."""
-    from worker.broker.envelope import size_problem
+    from conveyor.worker.broker.envelope import size_problem
 
     headers = {"id": "t", "task": "conveyor.submit_job"}
     assert header_problem(headers) is None

@@ -9,13 +9,13 @@ import shutil
 import pytest
 from sqlalchemy import select, update
 
+from conveyor.worker.broker.app import create_app
+from conveyor.worker.broker.queues import queue_depth
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.models import Worker, WorkerState, now
+from conveyor.worker.store.workers import model_service, prune_workers, register_worker, set_worker_state
 from tests.worker.helpers import jsonl, openai_lines, wait_for
-from worker.broker.app import create_app
-from worker.broker.queues import queue_depth
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.store.models import Worker, WorkerState, now
-from worker.store.workers import model_service, prune_workers, register_worker, set_worker_state
 
 
 def _submit(capsys, path, model: str) -> tuple[dict, str]:

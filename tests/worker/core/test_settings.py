@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from worker.core.settings import Settings, redact_url
+from conveyor.worker.core.settings import Settings, redact_url
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +84,7 @@ def test_redact_url(url: str, expected: str) -> None:
 
 
 def test_the_embedded_home_is_its_users_only(tmp_path) -> None:
-    from worker.store.database import create_db_engine
+    from conveyor.worker.store.database import create_db_engine
 
     s = Settings(home=tmp_path / "home")
     assert (s.ensure_home().stat().st_mode & 0o777) == 0o700

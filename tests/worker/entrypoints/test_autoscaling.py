@@ -34,6 +34,12 @@ import openai
 import pytest
 from sqlalchemy import func, select
 
+from conveyor.worker.broker.queues import intake_queue_name, queue_name, submit_queue_name
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.api_keys import create_key
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Job, Shard, ShardStatus
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.autoscaler import (
     Autoscaler,
     Pod,
@@ -56,12 +62,6 @@ from tests.worker.helpers import (
     wait_for,
 )
 from tests.worker.services import AMQP_URL, PG_DB, PG_HOST, PG_PORT, free_port, service_down
-from worker.broker.queues import intake_queue_name, queue_name, submit_queue_name
-from worker.entrypoints.client import Client
-from worker.store.api_keys import create_key
-from worker.store.database import create_db_engine
-from worker.store.models import Job, Shard, ShardStatus
-from worker.store.schema import upgrade_database
 
 MODEL = "tiny-chat"  # the name the workers serve the tiny checkpoint under; the catalog declares it
 TIME_SCALE = 0.01  # the manifests' seconds, a hundred times faster: cooldown 300 s -> 3 s
@@ -144,7 +144,7 @@ def deployment(tmp_path_factory, pg_admin_user, tiny_models) -> Iterator[Deploym
         api_log = workdir / "api.log"
         with open(api_log, "wb") as log:
             api = subprocess.Popen(
-                [PYTHON, "-m", "worker.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                [PYTHON, "-m", "conveyor.worker.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                  "--no-access-log"],
                 cwd=REPO, env=stack.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
             )  # fmt: skip
@@ -321,7 +321,7 @@ def test_every_door_wakes_a_worker_from_zero(deployment: Deployment, autoscaler)
     path.write_bytes(jsonl(lines(n)))
     t0 = time.time()
     submitted = subprocess.run(
-        [PYTHON, "-m", "worker.entrypoints.cli", "submit", str(path), "--model", MODEL],
+        [PYTHON, "-m", "conveyor.worker.entrypoints.cli", "submit", str(path), "--model", MODEL],
         cwd=REPO, env=d.stack.env(), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from conveyor.worker.entrypoints import cli
+from conveyor.worker.store.models import JobStatus
 from tests.worker.helpers import REPO
-from worker.entrypoints import cli
-from worker.store.models import JobStatus
 
 pytestmark = pytest.mark.subprocess  # each test runs conveyor in a fresh interpreter
 
@@ -26,7 +26,7 @@ class Hidden(MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Hidden())
-from worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

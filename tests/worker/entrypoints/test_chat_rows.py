@@ -16,23 +16,23 @@ from typing import Any
 
 import pytest
 
+from conveyor.worker.batchio.readers import iter_input
+from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.batchio.request_body import COMPLETIONS
+from conveyor.worker.batchio.request_options import RequestOptions
+from conveyor.worker.broker.submission_contract import InvalidSubmission, parse_submission
+from conveyor.worker.broker.submissions import handle_submission
+from conveyor.worker.core.limits import InputLimits
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.item_records import engine_prompt
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.submission import ingest_job
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.objects.local import LocalStore
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import REPO, parse_lines, read_object
-from worker.batchio.readers import iter_input
-from worker.batchio.records import LineError, ParsedRequest
-from worker.batchio.request_body import COMPLETIONS
-from worker.batchio.request_options import RequestOptions
-from worker.broker.submission_contract import InvalidSubmission, parse_submission
-from worker.broker.submissions import handle_submission
-from worker.core.limits import InputLimits
-from worker.core.settings import Settings
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.execution.item_records import engine_prompt
-from worker.jobs import object_keys
-from worker.jobs.submission import ingest_job
-from worker.store.database import create_db_engine
-from worker.store.objects.local import LocalStore
-from worker.store.schema import upgrade_database
 
 SYSTEM = "You are a waiter in a busy kitchen."
 OWN_SYSTEM = "Answer in one word."

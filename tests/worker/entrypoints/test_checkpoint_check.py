@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.models import Job
 from tests.worker.helpers import jsonl, openai_lines
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.store.models import Job
 
 
 def _break_config(model: Path) -> None:

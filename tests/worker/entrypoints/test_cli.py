@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.store.schema import head_revision
 from tests.worker.helpers import REPO, jsonl, openai_lines
-from worker.entrypoints.cli import main
-from worker.store.schema import head_revision
 
 EXAMPLE = str(REPO / "examples" / "requests.jsonl")
 

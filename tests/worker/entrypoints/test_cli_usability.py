@@ -16,9 +16,9 @@ from importlib.metadata import version
 import pytest
 from openai.types import Batch
 
+from conveyor.worker.entrypoints.cli import build_parser, main
+from conveyor.worker.entrypoints.client import Client
 from tests.worker.helpers import REPO, jsonl, openai_lines, wait_for
-from worker.entrypoints.cli import build_parser, main
-from worker.entrypoints.client import Client
 
 
 def _subparsers(parser: argparse.ArgumentParser):
@@ -114,7 +114,7 @@ def test_ctrl_c_during_run_names_the_job_and_how_to_get_what_finished(embedded_s
         [
             sys.executable,
             "-m",
-            "worker.entrypoints.cli",
+            "conveyor.worker.entrypoints.cli",
             "run",
             str(path),
             "--model",
@@ -155,7 +155,7 @@ def test_debug_shows_the_traceback_behind_a_one_line_error(tmp_path) -> None:
     missing = "batch_" + "0" * 32
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "worker.entrypoints.cli", *args]
+        argv = [sys.executable, "-m", "conveyor.worker.entrypoints.cli", *args]
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
     plain = cli("status", missing)

@@ -10,9 +10,9 @@ import shlex
 import subprocess
 import sys
 
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.entrypoints.client import Client
 from tests.worker.helpers import REPO
-from worker.core.settings import Settings
-from worker.entrypoints.client import Client
 
 MARKER = "<!-- queued-example -->"
 PAGE = "docs/user-guide/batch-jobs.md"
@@ -35,7 +35,7 @@ def test_the_docs_queued_example_runs_as_written(tiny_model, tmp_path) -> None:
     def argv(words: list[str], **names: str) -> list[str]:
         assert words[0] == "conveyor", words
         swapped = [tiny_model if w == ".cache/smollm2" else names.get(w, w) for w in words[1:]]
-        return [sys.executable, "-m", "worker.entrypoints.cli", *swapped]
+        return [sys.executable, "-m", "conveyor.worker.entrypoints.cli", *swapped]
 
     proc = subprocess.Popen(argv(worker), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

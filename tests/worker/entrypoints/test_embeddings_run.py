@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from conveyor.worker.entrypoints.cli import main
 from tests.engine.embedding_helpers import (
     TEXTS,
     assert_same_vectors,
@@ -24,7 +25,6 @@ from tests.engine.embedding_helpers import (
 )
 from tests.worker.helpers import Stack, make_values, parse_lines
 from tests.worker.openai_shapes import check_output_line
-from worker.entrypoints.cli import main
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "dtype": "float32", "max_num_batched_tokens": 32}
 
@@ -151,7 +151,7 @@ def test_a_model_that_cannot_embed_answers_each_line_with_the_reason(st_root, en
 
 
 def test_base64_and_float_carry_the_same_numbers() -> None:
-    from worker.batchio.embeddings_body import encode_vector
+    from conveyor.worker.batchio.embeddings_body import encode_vector
 
     vec = torch.randn(8).tolist()
     encoded = encode_vector(vec, "base64")
@@ -165,8 +165,8 @@ def test_results_export_as_parquet_one_row_per_vector(st_root, env, tmp_path, ca
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from worker.batchio.embeddings_parquet import write_embeddings_parquet
-    from worker.entrypoints.client import Client
+    from conveyor.worker.batchio.embeddings_parquet import write_embeddings_parquet
+    from conveyor.worker.entrypoints.client import Client
 
     model = sentence_transformers_model(st_root, "qwen3", "last", True)
     lines = [_line("a", {"input": TEXTS}), _line("b", {"input": TEXTS[0], "encoding_format": "base64"})]

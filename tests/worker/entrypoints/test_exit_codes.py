@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from conveyor.worker.entrypoints.cli import main
 from tests.worker.helpers import jsonl, openai_lines
-from worker.entrypoints.cli import main
 
 
 def _run(stack, path, *extra: str) -> int:

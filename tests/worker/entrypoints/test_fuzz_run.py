@@ -18,7 +18,7 @@ def test_every_fuzzed_line_ends_as_one_result_or_error(embedded_stack, tmp_path)
     path.write_bytes(fuzz.data)
     # Garbage that turns out runnable gets 2 tokens, not 256: the run stays short.
     env = embedded_stack.env(max_line_bytes=16 * 1024, default_max_tokens=2, shard_size=200)
-    argv = [PYTHON, "-m", "worker.entrypoints.cli", "run", str(path), "--model", embedded_stack.model]
+    argv = [PYTHON, "-m", "conveyor.worker.entrypoints.cli", "run", str(path), "--model", embedded_stack.model]
     proc = subprocess.run(
         [*argv, "-o", str(out), "--errors", str(err), "-q"], cwd=REPO, env=env, capture_output=True, timeout=300
     )

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from worker.entrypoints import local_runner
-from worker.execution.shard_runner import ANOTHER_HOLDS_IT, RetryShard, ShardOutcome
+from conveyor.worker.entrypoints import local_runner
+from conveyor.worker.execution.shard_runner import ANOTHER_HOLDS_IT, RetryShard, ShardOutcome
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from engine.config import MODEL_IMPLS
-from worker.entrypoints import cli, local_runner
-from worker.execution.context import WorkerContext, engine_config
+from conveyor.engine.config import MODEL_IMPLS
+from conveyor.worker.entrypoints import cli, local_runner
+from conveyor.worker.execution.context import WorkerContext, engine_config
 
 
 class _Stop(Exception):

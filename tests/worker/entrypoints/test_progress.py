@@ -13,9 +13,9 @@ import threading
 import time
 from pathlib import Path
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.progress_bar import WindowRate, duration
 from tests.worker.helpers import ENGINE, PYTHON, REPO
-from worker.entrypoints.cli import main
-from worker.entrypoints.progress_bar import WindowRate, duration
 
 ITEMS = 120
 SHARD = 60
@@ -54,7 +54,7 @@ def test_status_and_follow_report_progress_while_a_queued_job_runs(
     assert main(argv) == 0
     job_id = json.loads(capsys.readouterr().out)["id"]
     follow = subprocess.Popen(
-        [PYTHON, "-m", "worker.entrypoints.cli", "results", job_id, "--follow", "-o", str(out)],
+        [PYTHON, "-m", "conveyor.worker.entrypoints.cli", "results", job_id, "--follow", "-o", str(out)],
         cwd=REPO, env=stack.env(), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

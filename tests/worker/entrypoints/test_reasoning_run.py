@@ -12,9 +12,9 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
+from conveyor.worker.entrypoints.cli import main
 from tests.engine.reasoning_models import OPENS_THINK_TEMPLATE, QWEN3_TEMPLATE, build_reasoning_model
 from tests.worker.helpers import Stack, jsonl, make_values
-from worker.entrypoints.cli import main
 
 WEATHER: dict[str, Any] = {
     "type": "function",

@@ -8,9 +8,9 @@ import json
 
 import torch
 
-from engine.testing import build_tiny_model
+from conveyor.engine.testing import build_tiny_model
+from conveyor.worker.entrypoints.cli import main
 from tests.worker.helpers import Stack, make_values, parse_lines
-from worker.entrypoints.cli import main
 
 PROMPTS = ["The chef will bring", "Seven guests wait at the table", "Tea"]
 

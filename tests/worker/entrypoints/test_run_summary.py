@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.worker.batchio.error_summary import summarize_failures
+from conveyor.worker.batchio.output_lines import dumps_line, error_line, failed_request_line
+from conveyor.worker.entrypoints.cli import main
 from tests.worker.helpers import REPO, parse_lines
-from worker.batchio.error_summary import summarize_failures
-from worker.batchio.output_lines import dumps_line, error_line, failed_request_line
-from worker.entrypoints.cli import main
 
 EXAMPLE = str(REPO / "examples" / "requests.jsonl")
 

@@ -13,11 +13,11 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from conveyor.worker.entrypoints.cli import is_loopback, main
+from conveyor.worker.store.api_keys import KEY_PREFIX, find_key
+from conveyor.worker.store.database import create_db_engine
 from tests.worker.helpers import PYTHON, REPO, _die_with_parent
 from tests.worker.services import free_port
-from worker.entrypoints.cli import is_loopback, main
-from worker.store.api_keys import KEY_PREFIX, find_key
-from worker.store.database import create_db_engine
 
 
 def test_keys_create_prints_the_key_once_alone_on_stdout(embedded_stack, env, capsys) -> None:
@@ -60,7 +60,7 @@ def test_serve_refuses_to_start_without_a_key_or_insecure_off_loopback(embedded_
 
 
 def _serve(stack, *args: str, port: int) -> subprocess.Popen[bytes]:
-    argv = [PYTHON, "-m", "worker.entrypoints.cli", "serve", "--port", str(port), "--no-access-log", *args]
+    argv = [PYTHON, "-m", "conveyor.worker.entrypoints.cli", "serve", "--port", str(port), "--no-access-log", *args]
     return subprocess.Popen(
         argv, cwd=REPO, env=stack.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec_decode.config import SpeculativeConfig
-from worker.core.settings import ConfigError
-from worker.entrypoints.cli import _engine_overrides, build_parser, load_settings
-from worker.execution.context import engine_config
+from conveyor.engine.spec_decode.config import SpeculativeConfig
+from conveyor.worker.core.settings import ConfigError
+from conveyor.worker.entrypoints.cli import _engine_overrides, build_parser, load_settings
+from conveyor.worker.execution.context import engine_config
 
 
 def _worker_args(*argv: str):

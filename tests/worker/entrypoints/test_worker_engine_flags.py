@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.entrypoints import cli
-from worker.execution import context
+from conveyor.worker.entrypoints import cli
+from conveyor.worker.execution import context
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_cpu_threads_setting_and_flag_reach_the_engine(engine_config_seen, monke
     assert engine_config_seen["config"].cpu_threads == 2
     monkeypatch.delenv("CONVEYOR_CPU_THREADS")
     assert cli.main(["worker", "--model", "org/model"]) == 1
-    assert engine_config_seen["config"].cpu_threads is None  # the machine decides (engine.cpu_threads)
+    assert engine_config_seen["config"].cpu_threads is None  # the machine decides (conveyor.engine.cpu_threads)
 
 
 def test_cpu_threads_disagreeing_with_the_engine_args_is_refused(engine_config_seen, monkeypatch, capsys) -> None:

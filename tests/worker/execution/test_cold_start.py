@@ -12,15 +12,15 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.execution.cold_start import PHASES, ColdStart, ModelLoad
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.jobs.model_names import canonical_model
+from conveyor.worker.metrics.cold_start_collector import NAME, ColdStartCollector
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import scrape
 from tests.worker.services import free_port
-from worker.core.settings import Settings
-from worker.entrypoints.cli import main
-from worker.execution.cold_start import PHASES, ColdStart, ModelLoad
-from worker.execution.context import WorkerContext
-from worker.jobs.model_names import canonical_model
-from worker.metrics.cold_start_collector import NAME, ColdStartCollector
-from worker.store.schema import upgrade_database
 
 LINE = re.compile(
     r"cold start (?P<total>[\d.]+) s: import [\d.]+ s, weights [\d.]+ s \(tokenizer [\d.]+ s\), "

@@ -1,4 +1,4 @@
-"""The engine host shares the engine between owners (``worker.execution.fair_feed``): the
+"""The engine host shares the engine between owners (``conveyor.worker.execution.fair_feed``): the
 next request is the one of the owner with the fewest in the engine, so a newcomer's first
 request does not wait behind another owner's backlog; a shorter deadline orders requests
 only within one owner. Checked on the feed alone and on a real engine (tiny model)."""
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from worker.execution.engine_host import EngineHost, RequestHandle
-from worker.execution.fair_feed import FairFeed, OwnerLoad
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.worker.execution.engine_host import EngineHost, RequestHandle
+from conveyor.worker.execution.fair_feed import FairFeed, OwnerLoad
 
 
 def test_the_owner_with_fewest_served_goes_next_and_ties_take_turns() -> None:
@@ -94,8 +94,8 @@ def test_a_second_owners_request_overtakes_the_first_owners_backlog(engine) -> N
 def test_the_fair_share_figure_and_its_bounded_labels() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from worker.execution.engine_host import HostStats
-    from worker.metrics.fair_share_collector import FairShareCollector, fair_share_ratio
+    from conveyor.worker.execution.engine_host import HostStats
+    from conveyor.worker.metrics.fair_share_collector import FairShareCollector, fair_share_ratio
 
     assert fair_share_ratio([OwnerLoad("a", 4, 20), OwnerLoad("b", 0, 1)]) == 0.0  # b waits with nothing in
     assert fair_share_ratio([OwnerLoad("a", 3, 20), OwnerLoad("b", 1, 0)]) == 1.0  # b wants no more

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import Counter
 
-from worker.execution import process_state
-from worker.execution.process_state import Phase, ProcessState
-from worker.metrics.registry import new_registry
-from worker.metrics.server import MetricsServer
+from conveyor.worker.execution import process_state
+from conveyor.worker.execution.process_state import Phase, ProcessState
+from conveyor.worker.metrics.registry import new_registry
+from conveyor.worker.metrics.server import MetricsServer
 
 
 def test_phases_only_move_forward_and_a_drain_keeps_its_first_deadline() -> None:

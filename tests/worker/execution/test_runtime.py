@@ -9,8 +9,8 @@ from typing import cast
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from worker.execution.engine_host import EngineFailure, EngineHost, HostClosed, RequestHandle
+from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.worker.execution.engine_host import EngineFailure, EngineHost, HostClosed, RequestHandle
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ class _FakeEngine:
         self.calls += 1
         if self.fail_step:
             raise RuntimeError("boom")
-        from engine import RequestMetrics, RequestOutput
+        from conveyor.engine import RequestMetrics, RequestOutput
 
         outs = [
             RequestOutput(rid, [1], [2], "x", [2], "x", True, "stop", 0, RequestMetrics(arrival_time=0.0))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from worker.execution.shard_affinity import ShardAffinity
-from worker.metrics.affinity_collector import AffinityCollector
+from conveyor.worker.execution.shard_affinity import ShardAffinity
+from conveyor.worker.metrics.affinity_collector import AffinityCollector
 
 
 def test_recent_groups_are_bounded_and_a_repeat_is_a_hit() -> None:

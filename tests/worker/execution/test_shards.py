@@ -10,14 +10,14 @@ from concurrent.futures import Future
 import pytest
 from sqlalchemy import select, update
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.engine_host import RequestHandle
+from conveyor.worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
+from conveyor.worker.store.items import ItemRecord, record_finished_items
+from conveyor.worker.store.leases import acquire_lease
+from conveyor.worker.store.models import ItemStatus, Job, Shard, ShardStatus
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.execution.engine_host import RequestHandle
-from worker.execution.shard_runner import RetryShard, ShardOutcome, run_shard
-from worker.store.items import ItemRecord, record_finished_items
-from worker.store.leases import acquire_lease
-from worker.store.models import ItemStatus, Job, Shard, ShardStatus
 
 
 @pytest.fixture
@@ -180,8 +180,8 @@ def test_on_one_engine_host_the_job_due_sooner_is_served_first(tiny_model) -> No
     """Two jobs' items on one engine (one sequence at a time, the worker's default
     ``priority`` policy): equal priorities, so the items due sooner all finish first, though
     they were submitted last; a more important job still goes before both."""
-    from engine import EngineConfig, SamplingParams
-    from worker.execution.engine_host import EngineHost
+    from conveyor.engine import EngineConfig, SamplingParams
+    from conveyor.worker.execution.engine_host import EngineHost
 
     host = EngineHost.from_config(EngineConfig(tiny_model, device="cpu", max_num_seqs=1, scheduling_policy="priority"))
     done: list[str] = []

@@ -7,15 +7,15 @@ import json
 
 from sqlalchemy import func, select
 
+from conveyor.worker.broker.config import celery_app
+from conveyor.worker.broker.queues import queue_depth, queue_name
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import run_shard
+from conveyor.worker.jobs.submission import SubmitOptions, submit_job
+from conveyor.worker.store.models import Job
 from tests.worker.helpers import jsonl, openai_lines
-from worker.broker.config import celery_app
-from worker.broker.queues import queue_depth, queue_name
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import run_shard
-from worker.jobs.submission import SubmitOptions, submit_job
-from worker.store.models import Job
 
 DOWN = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 

@@ -12,10 +12,10 @@ import time
 
 from sqlalchemy import select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Shard
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Shard
 
 # The sweeper's own schedule would find the lost messages only after a lease period and at
 # its next run: both far beyond the bound this test allows.
@@ -26,8 +26,8 @@ BOUND_SECONDS = 30.0
 def test_messages_lost_with_the_broker_are_enqueued_again_right_after_reconnecting(
     pg_redis_s3_stack, spawn_worker, tcp_proxy
 ) -> None:
-    from worker.broker.app import create_app
-    from worker.broker.queues import model_queue, queue_depth
+    from conveyor.worker.broker.app import create_app
+    from conveyor.worker.broker.queues import model_queue, queue_depth
 
     stack = pg_redis_s3_stack.with_values(**SLOW_SWEEPS)
     redis_url = stack.values["broker_url"]

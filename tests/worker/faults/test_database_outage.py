@@ -14,6 +14,9 @@ import time
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Shard
 from tests.worker.helpers import (
     SLOW_ENGINE,
     assert_each_request_once,
@@ -24,9 +27,6 @@ from tests.worker.helpers import (
     wait_for,
 )
 from tests.worker.services import PG_HOST, PG_PORT
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Shard
 
 OUTAGE_SECONDS = 10.0
 

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from worker.execution.dependency_gate import DependencyGate, DependencyUnavailable
-from worker.store.faults import DATABASE, STORAGE, dependency_of
-from worker.store.objects.base import StorageUnavailable
+from conveyor.worker.execution.dependency_gate import DependencyGate, DependencyUnavailable
+from conveyor.worker.store.faults import DATABASE, STORAGE, dependency_of
+from conveyor.worker.store.objects.base import StorageUnavailable
 
 
 def _error_from(url: str, sql: str = "SELECT 1") -> BaseException:
@@ -74,7 +74,7 @@ def test_the_gate_pauses_work_until_the_dependency_is_back_and_says_so_once(capl
         storage.check()
         return "stored"
 
-    caplog.set_level(logging.WARNING, logger="worker.execution.dependency_gate")
+    caplog.set_level(logging.WARNING, logger="conveyor.worker.execution.dependency_gate")
     results: list[str] = []
     threads = [
         threading.Thread(target=lambda: results.append(gate.call(use_storage, what="work", patience=30)))

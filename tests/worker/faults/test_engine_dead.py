@@ -9,9 +9,9 @@ from typing import cast
 
 import pytest
 
-from engine import EngineDeadError, LLMEngine, SamplingParams
-from worker.execution import engine_host
-from worker.execution.engine_host import ENGINE_DEAD_EXIT_CODE, EngineHost
+from conveyor.engine import EngineDeadError, LLMEngine, SamplingParams
+from conveyor.worker.execution import engine_host
+from conveyor.worker.execution.engine_host import ENGINE_DEAD_EXIT_CODE, EngineHost
 
 
 class _DeadEngine:

@@ -8,10 +8,10 @@ from collections import Counter
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, ItemStatus, Job, Shard
 from tests.worker.helpers import SLOW_ENGINE, jsonl, openai_lines, parse_lines, stored_items, wait_for
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Item, ItemStatus, Job, Shard
 
 # Slow enough to be caught mid-flight: one sequence at a time, long generations (ignore_eos).
 
@@ -107,8 +107,8 @@ def test_lost_broker_messages_are_enqueued_again(pg_redis_s3_stack, spawn_worker
     without persistence that restarted, say): a worker's sweeper finds the queue empty and
     the shards still pending a whole lease period after they were enqueued, and enqueues
     them again. Nothing is lost and nothing is done twice."""
-    from worker.broker.app import create_app
-    from worker.broker.queues import model_queue, queue_depth
+    from conveyor.worker.broker.app import create_app
+    from conveyor.worker.broker.queues import model_queue, queue_depth
 
     stack = pg_redis_s3_stack
     client = Client(stack.settings)

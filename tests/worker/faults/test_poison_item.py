@@ -16,12 +16,12 @@ import time
 import pytest
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.engine_host import HUNG_EXIT_CODE
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, ItemCrash, ItemStatus, JobStatus, Shard
 from tests.worker.helpers import jsonl, openai_lines, parse_lines
 from tests.worker.openai_shapes import check_output_line
-from worker.entrypoints.client import Client
-from worker.execution.engine_host import HUNG_EXIT_CODE
-from worker.store.database import create_db_engine
-from worker.store.models import Item, ItemCrash, ItemStatus, JobStatus, Shard
 
 POISON = "POISON-PILL-5f3a"
 MAX_CRASHES = 3  # the default CONVEYOR_ITEM_MAX_CRASHES

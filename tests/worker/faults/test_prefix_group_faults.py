@@ -11,13 +11,13 @@ from typing import Any
 from sqlalchemy import func, select
 
 from benchmarks.prefix_shapes import many_questions
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import run_shard
+from conveyor.worker.execution.shard_turns import run_next_shard
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, Shard
 from tests.worker.helpers import SLOW_ENGINE, jsonl, parse_lines, stored_items, wait_for
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import run_shard
-from worker.execution.shard_turns import run_next_shard
-from worker.store.database import create_db_engine
-from worker.store.models import Item, Shard
 
 
 def _lines(docs: int, questions: int, *, max_tokens: int = 3, ignore_eos: bool = False) -> list[dict[str, Any]]:

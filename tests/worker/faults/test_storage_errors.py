@@ -11,14 +11,14 @@ import time
 import pytest
 from sqlalchemy import func, select
 
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.models import Job
+from conveyor.worker.store.objects.base import StorageUnavailable
+from conveyor.worker.store.objects.factory import open_store
+from conveyor.worker.store.objects.local import LocalStore
 from tests.worker.helpers import REPO, jsonl, openai_lines
-from worker.core.settings import Settings
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.store.models import Job
-from worker.store.objects.base import StorageUnavailable
-from worker.store.objects.factory import open_store
-from worker.store.objects.local import LocalStore
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
@@ -100,7 +100,7 @@ def test_a_worker_with_a_storage_mistake_refuses_to_start(broken_store, tiny_mod
     env.update(CONVEYOR_HOME=str(tmp_path / "home"), CONVEYOR_STORAGE_URL=url)
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.entrypoints.cli", "worker", "--model", tiny_model],
+        [sys.executable, "-m", "conveyor.worker.entrypoints.cli", "worker", "--model", tiny_model],
         env=env,
         cwd=REPO,
         capture_output=True,

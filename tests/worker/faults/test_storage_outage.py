@@ -4,7 +4,7 @@ the worker and the S3 server. An outage is no item's fault: the worker pauses ne
 Every item completes exactly once; none fails; no attempt is spent on the outage.
 
 The outage lasts 45 s, longer than a failing shard's waits between four attempts (2 + 10 + 30 s,
-``worker.broker.tasks.RETRY_BACKOFF``; three are allowed) and fifteen leases of the test
+``conveyor.worker.broker.tasks.RETRY_BACKOFF``; three are allowed) and fifteen leases of the test
 settings: a worker that counted the outage as attempts, or let a lease lapse, would have failed
 or lost every shard by then. ``CONVEYOR_TEST_STORAGE_OUTAGE_SECONDS`` sets another length
 (``bench_faults.py`` runs outages of up to 60 s under a soak; three minutes passed too).
@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Shard
 from tests.worker.helpers import SLOW_ENGINE, assert_each_request_once, jsonl, openai_lines, stored_items, wait_for
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Shard
 
 OUTAGE_SECONDS = float(os.environ.get("CONVEYOR_TEST_STORAGE_OUTAGE_SECONDS", "45"))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, Shard, ShardStatus
 from tests.worker.helpers import SLOW_ENGINE, assert_each_request_once, jsonl, openai_lines, wait_for
-from worker.entrypoints.client import Client
-from worker.store.database import create_db_engine
-from worker.store.models import Item, Shard, ShardStatus
 
 KILLS = 3
 

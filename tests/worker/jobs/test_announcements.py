@@ -12,14 +12,14 @@ import pytest
 from kombu import Connection, Queue
 from sqlalchemy import select
 
-from worker.broker.announce import Announcer
-from worker.broker.config import celery_app
-from worker.core.settings import Settings
-from worker.jobs import object_keys
-from worker.jobs.announcements import claim, claim_due, mark_announced
-from worker.jobs.lifecycle import reopen_unenqueued
-from worker.store.database import make_sessionmaker
-from worker.store.models import Job, JobStatus, now
+from conveyor.worker.broker.announce import Announcer
+from conveyor.worker.broker.config import celery_app
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.announcements import claim, claim_due, mark_announced
+from conveyor.worker.jobs.lifecycle import reopen_unenqueued
+from conveyor.worker.store.database import make_sessionmaker
+from conveyor.worker.store.models import Job, JobStatus, now
 
 TARGET = {"queue": "replies"}
 

@@ -9,17 +9,17 @@ import threading
 import pytest
 from sqlalchemy import func, select, update
 
+from conveyor.worker.broker.queues import enqueue_intake
+from conveyor.worker.entrypoints.client import Client, JobFailed
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import run_shard
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.submission import SubmitOptions, create_job, ingest_job
+from conveyor.worker.jobs.sweeper import Sweeper
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Job, Shard, now
+from conveyor.worker.store.objects.base import InvalidKey
 from tests.worker.helpers import assert_each_request_once, jsonl, openai_lines, parse_lines, wait_for
-from worker.broker.queues import enqueue_intake
-from worker.entrypoints.client import Client, JobFailed
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import run_shard
-from worker.jobs import object_keys
-from worker.jobs.submission import SubmitOptions, create_job, ingest_job
-from worker.jobs.sweeper import Sweeper
-from worker.store.database import create_db_engine
-from worker.store.models import Job, Shard, now
-from worker.store.objects.base import InvalidKey
 
 
 def test_key_of_names_only_objects_inside_the_store(store) -> None:

@@ -10,13 +10,13 @@ from collections import Counter
 
 from sqlalchemy import select, update
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import run_shard
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Item, Job
 from tests.worker.helpers import PYTHON, REPO, SLOW_ENGINE, jsonl, openai_lines, parse_lines, wait_for
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import run_shard
-from worker.store.database import create_db_engine
-from worker.store.models import Item, Job
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 
@@ -24,7 +24,7 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 def _cli(stack, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """The real ``conveyor`` CLI in a subprocess (so a hang is a timeout, not a hung test)."""
     return subprocess.run(
-        [PYTHON, "-m", "worker.entrypoints.cli", *args],
+        [PYTHON, "-m", "conveyor.worker.entrypoints.cli", *args],
         cwd=REPO, env=stack.env(), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

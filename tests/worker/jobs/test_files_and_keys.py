@@ -1,5 +1,5 @@
 """The layers under the HTTP API: what an upload learns while it streams (``BatchScanner``),
-Files objects by owner (``worker.jobs.files``), API keys (``worker.store.api_keys``), served
+Files objects by owner (``conveyor.worker.jobs.files``), API keys (``conveyor.worker.store.api_keys``), served
 model names; and that an upload streams through the server in bounded memory."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import httpx2 as httpx
 import pytest
 from sqlalchemy import insert, select, text, update
 
-from tests.worker.api_server import ApiServer
-from tests.worker.helpers import jsonl, openai_lines
-from worker.batchio.batch_scan import MAX_MODELS, BatchScanner
-from worker.jobs.files import (
+from conveyor.worker.batchio.batch_scan import MAX_MODELS, BatchScanner
+from conveyor.worker.jobs.files import (
     FileInUse,
     FileNotFound,
     FileTooLarge,
@@ -26,8 +24,8 @@ from worker.jobs.files import (
     get_file,
     list_files,
 )
-from worker.jobs.model_names import InvalidModel, check_served_name
-from worker.store.api_keys import (
+from conveyor.worker.jobs.model_names import InvalidModel, check_served_name
+from conveyor.worker.store.api_keys import (
     KEY_PREFIX,
     KeyNameError,
     KeyNotFound,
@@ -38,8 +36,10 @@ from worker.store.api_keys import (
     list_keys,
     revoke_key,
 )
-from worker.store.models import ApiKey, Job, JobStatus, StoredFile
-from worker.store.objects.local import LocalStore
+from conveyor.worker.store.models import ApiKey, Job, JobStatus, StoredFile
+from conveyor.worker.store.objects.local import LocalStore
+from tests.worker.api_server import ApiServer
+from tests.worker.helpers import jsonl, openai_lines
 
 MiB = 1 << 20
 

@@ -12,17 +12,17 @@ import pytest
 from sqlalchemy import event, func, select, update
 from sqlalchemy.engine import Engine
 
+from conveyor.worker.broker.queues import BrokerUnavailable
+from conveyor.worker.entrypoints.client import Client, JobNotFinished
+from conveyor.worker.entrypoints.local_runner import run_job
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import run_shard
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.finalize import finalize_job
+from conveyor.worker.jobs.lifecycle import JobNotFound
+from conveyor.worker.jobs.object_keys import InvalidJobId
+from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, read_object
-from worker.broker.queues import BrokerUnavailable
-from worker.entrypoints.client import Client, JobNotFinished
-from worker.entrypoints.local_runner import run_job
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import run_shard
-from worker.jobs import object_keys
-from worker.jobs.finalize import finalize_job
-from worker.jobs.lifecycle import JobNotFound
-from worker.jobs.object_keys import InvalidJobId
-from worker.store.models import Job, JobStatus, Shard, ShardStatus
 
 
 def _lines(client: Client, job_id: str, errors: bool = False, *, follow: bool = False) -> Iterator[str]:
@@ -135,8 +135,8 @@ def _job_wide_item_reads(statements: list[str]) -> int:
 
 
 def test_many_shards_finalise_in_input_order_on_postgres_and_s3(pg_url, s3_bucket, tiny_model, tmp_path) -> None:
+    from conveyor.worker.store.schema import upgrade_database
     from tests.worker.helpers import Stack, make_values
-    from worker.store.schema import upgrade_database
 
     upgrade_database(pg_url)
     stack = Stack(make_values(tmp_path, tiny_model, database_url=pg_url, storage_url=f"s3://{s3_bucket}/x"), tiny_model)

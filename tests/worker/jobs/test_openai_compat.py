@@ -23,21 +23,21 @@ from typing import Any
 import pytest
 from openai.types import Batch, BatchError, BatchRequestCounts
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.entrypoints.local_runner import run_job
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.engine_host import RequestHandle
+from conveyor.worker.execution.shard_runner import RetryShard, run_shard
+from conveyor.worker.jobs.finalize import claim_finalization
+from conveyor.worker.jobs.submission import SubmitOptions, create_job
+from conveyor.worker.store.leases import acquire_lease, release_lease
+from conveyor.worker.store.models import ShardStatus
 from tests.worker.helpers import jsonl, openai_lines
 from tests.worker.openai_shapes import (
     BatchRequestOutput,
     check_output_line,
 )
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.entrypoints.local_runner import run_job
-from worker.execution.context import WorkerContext
-from worker.execution.engine_host import RequestHandle
-from worker.execution.shard_runner import RetryShard, run_shard
-from worker.jobs.finalize import claim_finalization
-from worker.jobs.submission import SubmitOptions, create_job
-from worker.store.leases import acquire_lease, release_lease
-from worker.store.models import ShardStatus
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HOUR = 3600

@@ -9,12 +9,12 @@ import json
 from sqlalchemy import select, update
 
 from benchmarks.prefix_shapes import many_questions
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.entrypoints.local_runner import run_job
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.finalize import finalize_job
+from conveyor.worker.store.models import Job, JobStatus, Shard
 from tests.worker.helpers import jsonl, parse_lines, read_object
-from worker.entrypoints.client import Client
-from worker.entrypoints.local_runner import run_job
-from worker.jobs import object_keys
-from worker.jobs.finalize import finalize_job
-from worker.store.models import Job, JobStatus, Shard
 
 # What differs between two runs of one request: ids and times, and what the prefix cache saved.
 _VOLATILE = ("id", "created", "usage", "metrics")

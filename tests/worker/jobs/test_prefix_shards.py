@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.prefix_shapes import many_questions
+from conveyor.worker.batchio.prefix_signature import grouping_key, signature_of_text
+from conveyor.worker.batchio.records import InputFormat
+from conveyor.worker.core.limits import InputLimits
+from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.intake import Grouping, ingest
+from conveyor.worker.jobs.prefix_sort import PrefixSorter, SortRecord
+from conveyor.worker.jobs.shard_cut import PrefixEstimate, bounds, cut_shards
+from conveyor.worker.store.objects.local import LocalStore
 from tests.worker.helpers import jsonl, read_object
-from worker.batchio.prefix_signature import grouping_key, signature_of_text
-from worker.batchio.records import InputFormat
-from worker.core.limits import InputLimits
-from worker.jobs import object_keys
-from worker.jobs.intake import Grouping, ingest
-from worker.jobs.prefix_sort import PrefixSorter, SortRecord
-from worker.jobs.shard_cut import PrefixEstimate, bounds, cut_shards
-from worker.store.objects.local import LocalStore
 
 KEY = grouping_key("job:test", "m")
 

@@ -1,4 +1,4 @@
-"""Which pending shard a shard message runs (``worker.jobs.shard_choice``), on SQLite and
+"""Which pending shard a shard message runs (``conveyor.worker.jobs.shard_choice``), on SQLite and
 PostgreSQL: the owner with the fewest shards running goes first, an owner at its limit in
 this worker is skipped, and priority and deadline order only one owner's shards."""
 
@@ -8,8 +8,8 @@ import time
 
 from sqlalchemy.orm import Session
 
-from worker.jobs.shard_choice import ShardChoice, job_owner, next_shard
-from worker.store.models import Job, JobStatus, Shard, ShardStatus
+from conveyor.worker.jobs.shard_choice import ShardChoice, job_owner, next_shard
+from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus
 
 
 def add_job(db, job_id: str, owner: str | None, shards: int, *, model: str = "m", **job) -> None:

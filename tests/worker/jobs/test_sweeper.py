@@ -7,12 +7,12 @@ import time
 import pytest
 from sqlalchemy import select, update
 
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.jobs.sweeper import Sweeper
+from conveyor.worker.store.leases import acquire_lease
+from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus
 from tests.worker.helpers import jsonl, openai_lines
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.jobs.sweeper import Sweeper
-from worker.store.leases import acquire_lease
-from worker.store.models import Job, JobStatus, Shard, ShardStatus
 
 
 class _Recorder:
@@ -105,7 +105,7 @@ def test_stalled_finalisation_is_redone_and_a_missed_one_is_started(setup, embed
 
 
 def test_an_expired_lease_counts_a_death_and_charges_the_item_running_alone(setup) -> None:
-    from worker.store.crashes import crash_counts, set_solo_item
+    from conveyor.worker.store.crashes import crash_counts, set_solo_item
 
     _client, ctx, job = setup
     assert acquire_lease(ctx.db, job["id"], 0, "dead", ttl=1, at=time.time() - 60)

@@ -15,21 +15,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 
+from conveyor.worker.broker.app_state import AppState
+from conveyor.worker.broker.worker_process import _serve_metrics
+from conveyor.worker.core.settings import ConfigError, Settings
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.execution.context import WorkerContext
+from conveyor.worker.execution.shard_runner import _ItemBuffer
+from conveyor.worker.jobs.model_names import canonical_model
+from conveyor.worker.jobs.submission import SubmitOptions, submit_job
+from conveyor.worker.metrics.item_metrics import ItemMetrics
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.items import ItemRecord
+from conveyor.worker.store.models import Item, ItemStatus
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import ENGINE, jsonl, openai_lines, parse_lines, scrape, wait_for
 from tests.worker.services import free_port
-from worker.broker.app_state import AppState
-from worker.broker.worker_process import _serve_metrics
-from worker.core.settings import ConfigError, Settings
-from worker.entrypoints.client import Client
-from worker.execution.context import WorkerContext
-from worker.execution.shard_runner import _ItemBuffer
-from worker.jobs.model_names import canonical_model
-from worker.jobs.submission import SubmitOptions, submit_job
-from worker.metrics.item_metrics import ItemMetrics
-from worker.store.database import create_db_engine
-from worker.store.items import ItemRecord
-from worker.store.models import Item, ItemStatus
-from worker.store.schema import upgrade_database
 
 COMPLETIONS = "/v1/completions"
 

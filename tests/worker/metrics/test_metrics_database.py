@@ -1,4 +1,4 @@
-"""The database's metrics (``worker/metrics/db_collector.py``), served over real HTTP and read
+"""The database's metrics (``conveyor/worker/metrics/db_collector.py``), served over real HTTP and read
 with ``prometheus_client``'s parser: jobs by status, per model the demand, the shards waiting
 and in flight and the live workers, the read cache, and a database that cannot be reached."""
 
@@ -14,22 +14,22 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.finalize import finalize_if_ready
+from conveyor.worker.jobs.lifecycle import cancel_job
+from conveyor.worker.jobs.submission import SubmitOptions, create_job, submit_job
+from conveyor.worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
+from conveyor.worker.metrics.exposition import ApiMetrics
+from conveyor.worker.metrics.server import MetricsServer
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.leases import acquire_lease, release_lease
+from conveyor.worker.store.models import JobStatus, ShardStatus, WorkerState
+from conveyor.worker.store.objects.local import LocalStore
+from conveyor.worker.store.schema import upgrade_database
+from conveyor.worker.store.workers import register_worker, set_worker_state
 from tests.worker.helpers import Scrape, jsonl, openai_lines, scrape
 from tests.worker.services import PG_HOST, PG_PORT
 from tests.worker.tcp_proxy import TcpProxy
-from worker.core.settings import Settings
-from worker.jobs.finalize import finalize_if_ready
-from worker.jobs.lifecycle import cancel_job
-from worker.jobs.submission import SubmitOptions, create_job, submit_job
-from worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
-from worker.metrics.exposition import ApiMetrics
-from worker.metrics.server import MetricsServer
-from worker.store.database import create_db_engine
-from worker.store.leases import acquire_lease, release_lease
-from worker.store.models import JobStatus, ShardStatus, WorkerState
-from worker.store.objects.local import LocalStore
-from worker.store.schema import upgrade_database
-from worker.store.workers import register_worker, set_worker_state
 
 MODEL_A, MODEL_B = "org/model-a", "org/model-b"
 

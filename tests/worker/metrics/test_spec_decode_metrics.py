@@ -7,10 +7,10 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
+from conveyor.worker.execution.engine_host import HostStats
+from conveyor.worker.metrics.engine_collector import EngineCollector
 from tests.worker.helpers import Scrape
-from worker.execution.engine_host import HostStats
-from worker.metrics.engine_collector import EngineCollector
 
 PROMPTS = ["one two three one two three one two three one two", "soup bread soup bread soup bread soup"]
 

@@ -7,8 +7,8 @@ import random
 import pytest
 from sqlalchemy import delete, event, func, select
 
-from worker.store.database import make_sessionmaker
-from worker.store.items import (
+from conveyor.worker.store.database import make_sessionmaker
+from conveyor.worker.store.items import (
     ItemRecord,
     record_finished_items,
     record_shard_counts,
@@ -16,7 +16,7 @@ from worker.store.items import (
     stored_custom_ids,
     summarize_job,
 )
-from worker.store.models import Item, ItemStatus, Job, JobStatus, Shard
+from conveyor.worker.store.models import Item, ItemStatus, Job, JobStatus, Shard
 
 
 def _make_job(engine, job_id: str = "batch_1", total: int = 4, invalid: int = 1) -> None:

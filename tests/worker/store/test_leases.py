@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 
-from worker.store.database import create_db_engine, make_sessionmaker
-from worker.store.leases import (
+from conveyor.worker.store.database import create_db_engine, make_sessionmaker
+from conveyor.worker.store.leases import (
     acquire_lease,
     heartbeat_lease,
     new_lease_owner,
     release_lease,
 )
-from worker.store.models import Job, Shard, ShardStatus
+from conveyor.worker.store.models import Job, Shard, ShardStatus
 
 
 def _make_shard(engine) -> None:
@@ -112,9 +112,9 @@ def test_taking_over_from_a_dead_holder_counts_a_death_not_a_failure(db_engine) 
 
 
 def test_only_an_unstored_item_running_alone_is_charged_with_a_death(db_engine) -> None:
-    from worker.store.crashes import crash_counts, set_solo_item
-    from worker.store.items import ItemRecord, record_finished_items
-    from worker.store.models import ItemStatus
+    from conveyor.worker.store.crashes import crash_counts, set_solo_item
+    from conveyor.worker.store.items import ItemRecord, record_finished_items
+    from conveyor.worker.store.models import ItemStatus
 
     _make_shard(db_engine)
     owners = [new_lease_owner() for _ in range(5)]

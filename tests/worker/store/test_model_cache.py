@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.jobs.model_names import InvalidModel, canonical_model
+from conveyor.worker.store.model_cache import MANIFEST, ModelCache, ModelFetchError, ModelUri
+from conveyor.worker.store.objects.s3 import S3Store
 from tests.worker.helpers import jsonl, openai_lines, parse_lines, wait_for
 from tests.worker.services import free_port
-from worker.entrypoints.cli import main
-from worker.entrypoints.client import Client
-from worker.jobs.model_names import InvalidModel, canonical_model
-from worker.store.model_cache import MANIFEST, ModelCache, ModelFetchError, ModelUri
-from worker.store.objects.s3 import S3Store
 
 
 def _upload(s3_client: Any, bucket: str, model_dir: str, prefix: str) -> list[str]:

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
+from conveyor.worker.store.objects.base import InvalidKey, ObjectNotFound, validate_key
+from conveyor.worker.store.objects.factory import open_store
+from conveyor.worker.store.objects.local import LocalStore
+from conveyor.worker.store.objects.s3 import S3Store
 from tests.worker.helpers import read_object
-from worker.store.objects.base import InvalidKey, ObjectNotFound, validate_key
-from worker.store.objects.factory import open_store
-from worker.store.objects.local import LocalStore
-from worker.store.objects.s3 import S3Store
 
 MiB = 1024 * 1024
 

@@ -11,10 +11,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Base
+from conveyor.worker.store.schema import SchemaError, check_schema, current_revision, head_revision, upgrade_database
 from tests.worker.helpers import REPO
-from worker.store.database import create_db_engine
-from worker.store.models import Base
-from worker.store.schema import SchemaError, check_schema, current_revision, head_revision, upgrade_database
 
 
 def test_upgrade_creates_every_table_and_matches_the_models(db_url: str) -> None:
@@ -97,7 +97,8 @@ def test_processes_starting_at_once_on_a_fresh_home_migrate_it_once(tmp_path) ->
     home = tmp_path / "home"
     start = time.time() + 8  # all four imported by then: they migrate at the same moment
     code = (
-        "import time; from worker.core.settings import Settings; from worker.entrypoints.client import Client\n"
+        "import time; from conveyor.worker.core.settings import Settings\n"
+        "from conveyor.worker.entrypoints.client import Client\n"
         f"time.sleep(max(0.0, {start} - time.time())); Client(Settings(home={str(home)!r})).db"
     )
     procs = [

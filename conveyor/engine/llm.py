@@ -1,0 +1,119 @@
+"""The offline entry point: a list of prompts in, a list of finished outputs out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine, Prompt
+from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
+from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model, **engine_config).generate(prompts, params)``.
+
+    ``model`` is a local checkpoint directory or a hub id; keyword arguments are
+    ``EngineConfig``'s fields by their flat names (``dtype``, ``device``, ``block_size``,
+    ``max_num_seqs``, ...) or its groups (``cache=CacheConfig(...)``, ``conveyor.engine.config``).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if it has any (``LLMEngine.shutdown``)."""
+        self.engine.shutdown()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in input order. A prompt the engine rejects (too long, bad token ids...)
+        gets an output with ``finish_reason='error'`` and the reason in ``error``; the others
+        run. With ``n > 1`` a prompt contributes its ``n`` samples, consecutive, by ``index``."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        # Only final outputs are kept here: spare the engine the per-step streaming work.
+        params = [p if not p.stream else dataclasses.replace(p, stream=False) for p in params]
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        finished: dict[tuple[str, int], RequestOutput] = {}
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            try:
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            except ValueError as exc:
+                for index in range(p.n):
+                    finished[(rid, index)] = _error_output(rid, index, str(exc))
+        total = sum(p.n for p in params)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="req", initial=len(finished))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[(out.request_id, out.index)] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[(rid, index)] for rid, p in zip(ids, params, strict=True) for index in range(p.n)]
+
+    def embed(
+        self,
+        texts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingOutput]:
+        """One vector per input (a string or token ids), in input order, pooled as the
+        checkpoint's sentence-transformers files say unless ``pooling_params`` overrides
+        them. An input the engine rejects gets an empty vector and the reason in ``error``."""
+        params = SamplingParams(pooling=pooling_params or PoolingParams())
+        return [
+            EmbeddingOutput(out.embedding or [], len(out.prompt_token_ids), out.error)
+            for out in self.generate(texts, params, use_tqdm=use_tqdm)
+        ]
+
+
+def _error_output(request_id: str, index: int, message: str) -> RequestOutput:
+    now = time.monotonic()
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=[],
+        token_ids=[],
+        text="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        num_cached_tokens=0,
+        metrics=RequestMetrics(arrival_time=now, finished_time=now),
+        index=index,
+        error=message,
+    )

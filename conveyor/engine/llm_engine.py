@@ -1,0 +1,450 @@
+"""The engine loop: requests in, one scheduled step at a time, ``RequestOutput`` deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from conveyor.engine.attention.triton_backend import prepare_interpreter
+from conveyor.engine.chat_kwargs import check_template_kwargs
+from conveyor.engine.chunk_budget import make_chunk_controller
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.kv_cache import window_release
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.models.bert import encoder_engine_config
+from conveyor.engine.models.loader import load_spec, load_tokenizer, resolve_model_path
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.pooling import embedding_support
+from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.spec_decode.speculator import load_speculator
+from conveyor.engine.spec_decode.stats import SpecDecodeStats
+from conveyor.engine.startup import StartupTimings, sync
+from conveyor.engine.state_memory import make_request_memory
+from conveyor.engine.structured_outputs import StructuredOutputManager, check_tools
+from conveyor.engine.text_checks import check_text, check_texts
+from conveyor.engine.thinking import gate_for
+from conveyor.engine.thread_tuner import ThreadTuner
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CHAT_MESSAGES = 1024
+
+Prompt = str | list[int] | dict[str, Any]
+T = TypeVar("T")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_evictions: int
+    num_steps: int
+    last_step_tokens: int
+    avg_tokens_per_step: float
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    cpu_threads: int = 0  # torch's intra-op threads the last step ran on
+
+
+def _snapshot(entries: list[T] | None) -> list[T] | None:
+    """A copy of a list the request keeps growing (None, for what it did not ask for)."""
+    return None if entries is None else list(entries)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        # How long each phase of this start took (``conveyor.engine.startup``): a worker reports it.
+        self.startup = startup = StartupTimings(started_at=time.time())
+        begin = time.perf_counter()
+        self.config = config
+        # Before anything runs torch operators (loading the weights included); the ranks of
+        # tensor parallelism split this count between them (``ModelRunner``).
+        self.cpu_budget = cpu_budget(config.parallel.cpu_threads)
+        apply_cpu_budget(self.cpu_budget)
+        log.info("engine: %s", self.cpu_budget.describe())
+        if config.model.attention_backend == "triton":
+            # Triton chooses its CPU interpreter when first imported, and transformers imports
+            # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
+            prepare_interpreter(config.resolve_device())
+        model_path = resolve_model_path(config.model.model, config.model.revision)
+        self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl)
+        # An encoder runs each input whole, with no KV cache (``conveyor.engine.models.bert``).
+        self.config = config = encoder_engine_config(config, self.model_spec)
+        tok_path = (
+            resolve_model_path(config.model.tokenizer, config.model.revision) if config.model.tokenizer else model_path
+        )
+        tok_begin = time.perf_counter()
+        self.tokenizer = load_tokenizer(tok_path)
+        startup.tokenizer = time.perf_counter() - tok_begin
+        max_len = config.max_model_len_for(self.model_spec, self.model_impl)
+        # Before the target's KV cache is sized: a draft model's cache takes a share of it.
+        self.speculator = load_speculator(config, self.model_spec, self.tokenizer, max_len)
+        startup.weights += time.perf_counter() - begin  # the runner adds the weights themselves
+        self.runner = ModelRunner(
+            config,
+            self.model_spec,
+            model_path,
+            max_len,
+            startup=startup,
+            model_impl=self.model_impl,
+            extra_block_bytes=self.speculator.block_bytes(config.cache.block_size),
+        )
+        self.speculator.attach(self.runner)
+        kv_begin = time.perf_counter()
+        released_beyond, margin = window_release(self.model_spec, self.model_impl, self.speculator.draft)
+        self.kv = make_request_memory(
+            self.runner.state_cache,
+            speculative=config.speculative is not None,
+            num_blocks=self.runner.num_blocks,
+            block_size=config.cache.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            namespace=f"{model_path.resolve() if model_path.exists() else model_path}|{self.runner.dtype}",
+            release_window=released_beyond,
+            window_margin=margin,
+        )
+        startup.kv_cache += time.perf_counter() - kv_begin
+        self.max_model_len = max_len
+        # A request never grows past what the whole cache can hold, so it always fits alone;
+        # without chunked prefill it must also fit one step's budget, or (re)admitting it never
+        # could happen.
+        self.max_request_tokens = min(max_len, self.runner.num_blocks * config.cache.block_size)
+        if not config.scheduler.enable_chunked_prefill:
+            self.max_request_tokens = min(self.max_request_tokens, config.scheduler.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            policy=config.scheduler.scheduling_policy,
+            admission=config.scheduler.admission_policy,
+            chunk_controller=make_chunk_controller(
+                config.scheduler.target_itl_ms, config.cache.block_size, config.scheduler.max_num_batched_tokens
+            ),
+        )
+        eos = set(self.model_spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = self.model_spec.vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.sampler.structured = self.structured
+        self.embedding = embedding_support(model_path, self.model_spec, config)
+        self._groups: dict[str, list[Request]] = {}
+        self._seq = itertools.count()
+        self._pending: list[RequestOutput] = []
+        # The steps' intra-op threads: the budget (this rank's share of it under tensor
+        # parallelism), or on CPU what the tuner picks under it.
+        self._base_threads = self._step_threads = torch.get_num_threads()
+        budget = self.cpu_budget
+        tunable = self.runner.device.type == "cpu" and config.parallel.tensor_parallel_size == 1 and budget.derived
+        self.thread_tuner = ThreadTuner(budget.threads) if tunable and budget.threads > 1 else None
+        sync(self.runner.device)
+        startup.total = time.perf_counter() - begin
+
+    # ---- requests in ----------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` naming what is wrong with bad input.
+
+        ``priority`` (lower first) orders the queue under the ``priority`` policy; ``deadline``
+        (wall-clock epoch seconds, ``time.time()``'s clock) under ``edf``, and breaks ties
+        between equal priorities under ``priority``. Other policies ignore both."""
+        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params, pooling = self.embedding.request(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+                raise ValueError(f"deadline must be a finite number of epoch seconds, got {deadline!r}")
+            deadline = float(deadline)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            raise ValueError(
+                f"logit_bias token id {bad[0]} is not in the vocabulary [0, {self.vocab_size})"
+                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            )
+        ids, text = self.tokenize(prompt)
+        if len(ids) >= self.max_request_tokens:
+            budget = (
+                ""
+                if self.config.scheduler.enable_chunked_prefill
+                else ", max_num_batched_tokens without chunked prefill"
+            )
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
+                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.kv.block_size} "
+                f"tokens{budget}) to leave room for one generated token"
+            )
+        new_matcher = self.structured.matchers_for(params.structured_outputs)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for index in range(params.n):
+            seq = next(self._seq)
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(params.seed + index)
+            children.append(
+                Request(
+                    f"{seq}",
+                    ids,
+                    params,
+                    max_total_tokens=self.max_request_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_seq=seq,
+                    request_id=request_id,
+                    index=index,
+                    priority=priority,
+                    deadline=deadline,
+                    arrival_time=arrival,
+                    generator=generator,
+                    # Without streaming or stop strings the text is decoded once, at the end.
+                    detokenizer=(
+                        IncrementalDetokenizer(
+                            self.tokenizer, params.stop_strings, params.skip_special_tokens, params.min_tokens
+                        )
+                        if params.stream or params.stop_strings
+                        else None
+                    ),
+                    prompt_text=text,
+                    grammar=gate_for(params, ids, new_matcher(), self._encode_delimiter),
+                    pooling=pooling,
+                )
+            )
+        self._groups[request_id] = children
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids (and the text, when there is one) of a prompt in any accepted form."""
+        if isinstance(prompt, dict):
+            keys = set(prompt) & {"prompt", "prompt_token_ids", "messages"}
+            if len(keys) != 1:
+                raise ValueError("a dict prompt needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+            key = keys.pop()
+            tools = prompt.get("tools")
+            if (tools is not None or "chat_template_kwargs" in prompt) and key != "messages":
+                raise ValueError("tools and chat_template_kwargs go with messages (the chat template renders them)")
+            if key == "messages":
+                text = self._apply_chat_template(prompt["messages"], tools, prompt.get("chat_template_kwargs"))
+                return self._encode(text, "messages", add_special_tokens=False), text
+            prompt = prompt[key]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            check_text(prompt, "prompt")
+            return self._encode(prompt, "prompt", add_special_tokens=True), prompt
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt_token_ids is empty")
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
+            return list(prompt), None
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # tokenizers raise several types; one request's problem, not the batch's
+            raise ValueError(f"the tokenizer cannot encode the {field}: {type(exc).__name__}: {exc}") from None
+        if not ids:
+            raise ValueError(f"the {field} encodes to no tokens")
+        return ids
+
+    def _encode_delimiter(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _apply_chat_template(self, messages: Any, tools: Any = None, kwargs: Any = None) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"messages has {len(messages)} entries; at most {MAX_CHAT_MESSAGES}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            content = m.get("content")
+            if not isinstance(content, (str, list)) and content is not None:
+                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+            check_texts(m, f"messages[{i}]")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        checked: list[Any] | None = check_tools(tools) if tools else None
+        extra = check_template_kwargs(kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=checked, tokenize=False, add_generation_prompt=True, **extra
+            )
+        except Exception as exc:  # template errors come in many types
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        assert isinstance(text, str)  # tokenize=False: the rendered text
+        return text
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for req in self._groups.pop(rid, ()):
+                if not req.finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                    req.metrics.finished_time = time.monotonic()
+                    self._pending.append(self._output(req, [], ""))
+
+    @property
+    def release_window(self) -> int | None:
+        """The sliding window past which blocks are released as requests run (None: never)."""
+        return self.kv.release_window
+
+    @release_window.setter
+    def release_window(self, window: int | None) -> None:
+        self.kv.release_window = window
+
+    # ---- the loop ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update, outputs: one iteration of continuous batching."""
+        outputs, self._pending = self._pending, []
+        begin = time.perf_counter()
+        self.speculator.plan(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return outputs
+        step_begin = self._set_step_threads()
+        self.speculator.propose(sched, self.scheduler.running)
+        result = self.runner.execute(sched)
+        self._step_done(step_begin, sched.total_tokens)
+        result.duration_s = time.perf_counter() - begin
+        finished = self.scheduler.update_from_output(sched, result)
+        ended = set(finished)
+        outputs += [self._emit(req) for req in result.requests if req in ended or req.params.stream]
+        for req in finished:
+            self._forget(req)
+        return outputs
+
+    def _set_step_threads(self) -> float:
+        """The step's intra-op threads (the tuner's pick, on CPU); when the step starts."""
+        tuner = self.thread_tuner
+        self._step_threads = tuner.before_step() if tuner is not None else self._base_threads
+        if torch.get_num_threads() != self._step_threads:  # torch keeps it per thread: the stepping one's
+            torch.set_num_threads(self._step_threads)
+        return time.perf_counter()
+
+    def _step_done(self, step_begin: float, num_tokens: int) -> None:
+        if self.thread_tuner is not None:
+            self.thread_tuner.after_step(time.perf_counter() - step_begin, num_tokens)
+
+    def _emit(self, req: Request) -> RequestOutput:
+        """``req``'s output with what it generated since the last one (none after an error)."""
+        if req.error is not None:
+            return self._output(req, [], "")
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        req.num_emitted_tokens = len(req.output_token_ids)
+        return self._output(req, new_ids, self._take_text_delta(req))
+
+    def _take_text_delta(self, req: Request) -> str:
+        if req.detokenizer is not None:
+            return req.detokenizer.take_delta(req.finished)
+        return self._text(req) if req.finished else ""
+
+    def _text(self, req: Request) -> str:
+        if req.detokenizer is not None:
+            return req.detokenizer.text
+        if req.final_text is None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            assert isinstance(text, str)  # one sequence in, one text out
+            req.final_text = text
+        return req.final_text
+
+    def _forget(self, req: Request) -> None:
+        group = self._groups.get(req.request_id)
+        if group is not None and all(r.finished for r in group):
+            del self._groups[req.request_id]
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        finished = req.finished
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=self._text(req),
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.metrics,
+            index=req.index,
+            stop_reason=req.stop_reason,
+            logprobs=_snapshot(req.logprobs),
+            prompt_logprobs=_snapshot(req.prompt_logprobs),
+            error=req.error,
+            prompt=req.prompt_text,
+            embedding=req.embedding,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the processes this engine started (tensor-parallel ranks); it runs no step after.
+        Also done when the engine is garbage-collected or the process exits."""
+        self.runner.shutdown()
+
+    # ---- observability ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv, counters = self.kv, self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            kv_blocks_cached=kv.num_cached_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=kv.pool.num_evictions,
+            num_steps=counters.num_steps,
+            last_step_tokens=counters.last_step_tokens,
+            avg_tokens_per_step=counters.total_step_tokens / counters.num_steps if counters.num_steps else 0.0,
+            num_prompt_tokens_computed=counters.num_prompt_tokens_computed,
+            num_generated_tokens=counters.num_generated_tokens,
+            spec_decode=self.speculator.stats_snapshot(),
+            cpu_threads=self._step_threads,
+        )

@@ -1,0 +1,92 @@
+"""The HTTP API's ASGI app: ``create_app(settings)`` (what ``conveyor serve`` runs with uvicorn).
+
+It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (each router in
+its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
+broker as the workers (``conveyor.worker.api.services``). Errors are OpenAI's (``conveyor.worker.api.errors``).
+While it runs, a background thread deletes uploaded files past their ``expires_at``, and another
+takes broker submissions (``conveyor.worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
+so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
+the job-end announcements still due (``conveyor.worker.broker.announce``), which workers do as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from conveyor.worker.api import health, routes_batches, routes_files, routes_models
+from conveyor.worker.api.errors import install_error_handlers
+from conveyor.worker.api.insecure_guard import InsecureGuard
+from conveyor.worker.api.metrics_route import metrics_router
+from conveyor.worker.api.services import ApiServices
+from conveyor.worker.broker.announce import Announcer
+from conveyor.worker.broker.submission_consumer import SubmissionConsumer
+from conveyor.worker.core.periodic import Periodic
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.files import delete_expired_files
+from conveyor.worker.metrics.exposition import ApiMetrics
+
+log = logging.getLogger(__name__)
+
+EXPIRED_FILES_INTERVAL_SECONDS = 300.0
+
+
+def create_app(
+    settings: Settings,
+    *,
+    insecure: bool = False,
+    services: ApiServices | None = None,
+    extra_routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """The API app. ``insecure``: no key is asked for (owner ``None``); ``conveyor serve``
+    allows it on a loopback address only. ``extra_routers`` are included after the API's own."""
+    services = services or ApiServices.open(settings, insecure=insecure)
+    metrics = ApiMetrics(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        janitor = Periodic(
+            "conveyor-expired-files",
+            EXPIRED_FILES_INTERVAL_SECONDS,
+            lambda: delete_expired_files(services.db, services.store),
+        ).start()
+        background = [janitor]
+        submissions = None
+        if settings.api_takes_submissions:
+            submissions = SubmissionConsumer(services.broker, services.db, services.store, settings).start()
+            # The ends of submitted jobs that are still to be announced (a batch cancelled here,
+            # say): workers publish them too, but none may be running.
+            announcer = Announcer(services.broker, services.db, settings)
+            background.append(
+                Periodic("conveyor-announcements", settings.sweep_interval_seconds, announcer.announce_due).start()
+            )
+        try:
+            yield
+        finally:
+            if submissions is not None:
+                submissions.stop()
+            for thread in background:
+                thread.stop()
+            metrics.close()
+            services.close()
+
+    app = FastAPI(
+        title="Conveyor",
+        summary="OpenAI-compatible Files and Batches API over Conveyor's workers",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.services = services
+    install_error_handlers(app)
+    for router in (routes_files.router, routes_batches.router, routes_models.router, health.router):
+        app.include_router(router)
+    app.include_router(metrics_router(metrics))
+    for router in extra_routers:
+        app.include_router(router)
+    if services.insecure:
+        app.add_middleware(InsecureGuard)
+    return app

@@ -1,0 +1,229 @@
+"""``POST /v1/batches``: a batch from an uploaded file, created without reading the file.
+
+What the upload learnt (``conveyor.worker.batchio.batch_scan``, kept in the file's ``metadata``)
+decides at once whether the batch can run, each refusal a 400 naming its parameter:
+
+- ``endpoint`` is ``/v1/chat/completions`` or ``/v1/completions``;
+- ``completion_window`` is one Conveyor takes (``24h`` as OpenAI; any whole hours or days
+  from ``1h`` to ``30d`` too);
+- the file (``input_file_id``: 404 if the caller has none of that id) has purpose ``batch``,
+  holds at least one request and no more than ``CONVEYOR_MAX_LINES_PER_JOB``, and is no
+  larger than ``CONVEYOR_MAX_INPUT_BYTES``;
+- its lines name one model in ``body.model`` (as OpenAI requires) and every ``url`` is the
+  batch's ``endpoint``;
+- the model is one this deployment runs (``GET /v1/models``, ``conveyor.worker.jobs.catalog``): declared
+  in ``CONVEYOR_MODELS`` or served by some worker before, whether or not one runs now (an
+  autoscaler starts one on the demand the batch adds); a batch for a model nobody ever runs
+  would only wait until it expired;
+- the owner's quotas allow one more batch of the file's lines and output tokens (a 429
+  naming the limit otherwise: ``conveyor.worker.api.quota_checks``).
+
+The job is then recorded ``validating`` (``create_job``) and a worker is asked to read the
+file (``enqueue_intake``): lines it rejects one by one (bad JSON, a bad body, a missing
+field) become lines of the batch's errors file, and the rest run. An ``Idempotency-Key``
+header makes a retried request find the batch it created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from conveyor.worker.api.errors import ApiError, bad_request, not_found, validation_error
+from conveyor.worker.api.quota_checks import create_within_quota
+from conveyor.worker.api.services import ApiServices
+from conveyor.worker.batchio.batch_scan import BatchScan
+from conveyor.worker.batchio.request_body import ENDPOINTS
+from conveyor.worker.broker.queues import enqueue_intake
+from conveyor.worker.core.limits import completion_window_seconds
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.catalog import catalog
+from conveyor.worker.jobs.files import BATCH, FileNotFound, get_file_info
+from conveyor.worker.jobs.owned_jobs import fail_unqueued
+from conveyor.worker.jobs.submission import (
+    SubmitOptions,
+    check_metadata,
+    create_job,
+    http_idempotency_key,
+    job_with_key,
+)
+
+MAX_JSON_BODY_BYTES = 64 << 10  # 16 metadata pairs of 64 + 512 characters fit many times over
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+
+
+class BatchCreate(BaseModel):
+    """OpenAI's create-batch body (an unknown field is a 400, as OpenAI answers it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str = Field(min_length=1, max_length=128)
+    completion_window: str = Field(min_length=1, max_length=16)
+    metadata: dict[str, str] | None = None
+
+
+async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES, seconds: float = 30.0) -> bytes:
+    """The request's body, refused with 413 past ``limit`` bytes (never held whole), and with
+    408 when it has not all come within ``seconds`` (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS)."""
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, f"The request body is larger than {limit} bytes.", headers={"Connection": "close"})
+
+    try:
+        await asyncio.wait_for(read(), seconds)
+    except ClientDisconnect:
+        raise bad_request("The client went away before the request body was read.") from None
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408,
+            f"The request body did not arrive within {seconds:g} s (CONVEYOR_HTTP_BODY_TIMEOUT_SECONDS).",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    return bytes(body)
+
+
+def parse_body(raw: bytes) -> BatchCreate:
+    try:
+        return BatchCreate.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+def batch_model(scan: BatchScan | None, endpoint: str, file_id: str, nbytes: int, settings: Settings) -> str:
+    """The model a batch file names, if it can run as a batch to ``endpoint``; else the 400."""
+    param = "input_file_id"
+    if scan is None or not scan.lines:
+        raise bad_request(f"The input file {file_id} holds no requests.", param=param, code="empty_file")
+    if scan.lines > settings.max_lines_per_job:
+        raise bad_request(
+            f"The input file {file_id} holds {scan.lines} requests; a batch takes at most "
+            f"{settings.max_lines_per_job} (CONVEYOR_MAX_LINES_PER_JOB).",
+            param=param,
+            code="too_many_requests",
+        )
+    if nbytes > settings.max_input_bytes:
+        raise bad_request(
+            f"The input file {file_id} is {nbytes} bytes; a batch's input is at most {settings.max_input_bytes} "
+            "bytes (CONVEYOR_MAX_INPUT_BYTES).",
+            param=param,
+            code="file_too_large",
+        )
+    stray = [url for url in scan.urls if url != endpoint]
+    if stray or scan.more_urls:
+        shown = ", ".join(repr(u[:80]) for u in stray[:3])
+        raise bad_request(
+            f"Lines of the input file ask for url {shown}, not the batch's endpoint {endpoint!r}: a batch's lines "
+            "all go to its endpoint.",
+            param=param,
+            code="mismatched_endpoint",
+        )
+    if len(scan.models) > 1 or scan.more_models:
+        shown = ", ".join(repr(m[:80]) for m in scan.models[:4]) + (", ..." if scan.more_models else "")
+        raise bad_request(
+            f"The input file mixes models ({shown}): a batch runs one model, as OpenAI requires; "
+            "put each model's lines in a file of its own.",
+            param=param,
+            code="mixed_models",
+        )
+    if not scan.models:
+        raise bad_request(
+            f"No line of the input file {file_id} names a model (body.model).", param=param, code="missing_model"
+        )
+    return scan.models[0]
+
+
+def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, idempotency: str | None) -> dict[str, Any]:
+    """Check the request and the file, record the job and have a worker ingest it; the batch
+    object (with all of the job's fields: the route keeps OpenAI's)."""
+    settings, db = services.settings, services.db
+    if req.endpoint not in ENDPOINTS:
+        raise bad_request(
+            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {', '.join(ENDPOINTS)}.",
+            param="endpoint",
+            code="invalid_value",
+        )
+    try:
+        completion_window_seconds(req.completion_window, settings.min_completion_window_seconds)
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'completion_window': {exc}", param="completion_window") from None
+    try:
+        metadata = check_metadata(req.metadata)
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
+    key = None
+    if idempotency is not None:
+        if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise bad_request(f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters.")
+        key = http_idempotency_key(owner, idempotency)
+        existing = job_with_key(db, key)
+        if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
+            return _same_request(existing, req, metadata)
+    try:
+        info = get_file_info(db, req.input_file_id, owner)
+    except FileNotFound:
+        raise not_found(f"No such File object: {req.input_file_id}", param="input_file_id") from None
+    if info.object["purpose"] != BATCH:
+        raise bad_request(
+            f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
+            "'batch'.",
+            param="input_file_id",
+        )
+    model = batch_model(info.batch_scan, req.endpoint, req.input_file_id, info.object["bytes"], settings)
+    known = catalog(db, settings)
+    if model not in {m.model for m in known}:
+        listed = ", ".join([repr(m.model) for m in known if m.live_workers][:20]) or "none"
+        raise bad_request(
+            f"The model {model!r} is not served by any live worker (served now: {listed}); start one with "
+            f"`conveyor worker --model CHECKPOINT --served-model-name {model}`.",
+            param="model",
+            code="model_not_found",
+        )
+    options = SubmitOptions(model=model, completion_window=req.completion_window)
+    scan = info.batch_scan
+    assert scan is not None  # batch_model refused a file without one
+    try:
+        batch, created = create_within_quota(
+            services, owner, scan,
+            lambda: create_job(
+                db, services.store, settings, info.uri, options, metadata=metadata, owner=owner,
+                input_file_id=req.input_file_id, idempotency_key=key,
+            ),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    if not created:  # the same key, created at the same moment by another request
+        return _same_request(batch, req, metadata)
+    try:
+        enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
+    except Exception as exc:
+        fail_unqueued(db, batch["id"], f"the batch could not be handed to the workers: {type(exc).__name__}")
+        raise ApiError(503, "The server cannot reach its broker right now; try again shortly.") from None
+    return batch
+
+
+def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None) -> dict[str, Any]:
+    """``batch`` if it was created by this same request, else 409: a key names one request (as
+    Stripe's and OpenAI's idempotency keys do), so a reused key with other fields is a mistake."""
+    asked = {
+        "input_file_id": req.input_file_id, "endpoint": req.endpoint,
+        "completion_window": req.completion_window, "metadata": metadata or None,
+    }  # fmt: skip
+    differs = [name for name, value in asked.items() if (batch.get(name) or None) != value]
+    if differs:
+        raise ApiError(
+            409,
+            f"This Idempotency-Key was already used for batch {batch['id']} with a different "
+            f"{', '.join(differs)}; use a new key for a new batch.",
+            param=differs[0],
+            code="idempotency_key_reused",
+        )
+    return batch

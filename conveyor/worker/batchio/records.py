@@ -1,0 +1,293 @@
+"""One input record (a JSONL line, a CSV row, a Parquet row) as a ``ParsedRequest`` or a
+``LineError``, and the errors that reject a whole input (``InputError``).
+
+A record is an OpenAI Batch line (``{"custom_id", "method": "POST", "url", "body"}``; unknown
+fields are errors, as with OpenAI) or a plain dataset row (``{"prompt": ...}`` or
+``{"messages": [...]}`` plus optional ``custom_id``/``id`` and sampling fields at the top
+level; other fields are ignored). Rows without an id get ``custom_id = "line-<n>"``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.worker.batchio.embeddings_body import EMBEDDINGS, EmbeddingInput, parse_embeddings_body
+from conveyor.worker.batchio.request_body import (
+    CHAT,
+    COMPLETIONS,
+    ENDPOINTS,
+    InvalidRequest,
+    echo_from_body,
+    parse_messages,
+    parse_prompt,
+    sampling_from_body,
+    shown,
+    template_controls,
+)
+from conveyor.worker.batchio.request_options import RequestOptions
+from conveyor.worker.batchio.responses_body import RESPONSES, chat_body
+from conveyor.worker.batchio.tools import ToolRequest, apply_tools
+from conveyor.worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
+
+_OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+# The Responses fields a ``response`` object repeats.
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
+           "tool_choice", "tools", "text", "reasoning")  # fmt: skip
+
+
+class InputFormat(str, enum.Enum):
+    jsonl = "jsonl"  # OpenAI Batch lines and plain prompt lines, told apart per line
+    csv = "csv"
+    parquet = "parquet"  # a prompt (or messages) column; rows numbered from 1 like lines
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be accepted (the job fails at validation). ``code``,
+    ``line`` and ``param`` become the job's error, shaped as OpenAI's ``BatchError``."""
+
+    def __init__(
+        self, message: str, *, code: str = "invalid_input", line: int | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code, self.line, self.param = code, line, param
+        self.endpoint: str | None = None  # set by intake: the endpoint of the requests before it
+
+
+class InputTooLarge(InputError):
+    """The input exceeds a size or count limit."""
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One valid input line. Exactly one of ``prompt`` / ``messages`` / ``inputs`` (an
+    embeddings request's) is set."""
+
+    line: int  # 1-based line number in the input file (CSV: the record's first line)
+    custom_id: str
+    endpoint: str  # CHAT, COMPLETIONS, EMBEDDINGS or RESPONSES (read as the chat request it amounts to)
+    sampling: dict[str, Any]  # SamplingParams(**sampling)
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    echo: bool = False  # completions: the prompt goes in front of the text
+    tools: ToolRequest | None = None  # a chat request's tools and tool_choice
+    # A ``prompt`` row's chat: rendered through the chat template as one user message (True),
+    # sent as it is (False), or rendered when the model has a template (None: auto).
+    chat: bool | None = False
+    system_prompt: str | None = None  # the system message in front of a prompt rendered as chat
+    # Chat and responses: variables for the chat template, and the reasoning effort asked for
+    # (the worker's reasoning parser maps it onto the template or refuses it).
+    template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # Responses: the request's fields a ``response`` object repeats (instructions, tools...).
+    echoed: dict[str, Any] | None = None
+    inputs: list[EmbeddingInput] | None = None  # an embeddings request's inputs, one vector each
+    encoding_format: str | None = None  # ... and how its vectors are written (float, base64)
+
+    def to_json(self) -> dict[str, Any]:
+        """A compact dict for a shard's input file (``from_json`` reads it back)."""
+        data: dict[str, Any] = {"line": self.line, "custom_id": self.custom_id, "endpoint": self.endpoint}
+        if self.messages is not None:
+            data["messages"] = self.messages
+        elif self.inputs is not None:
+            data["inputs"], data["encoding_format"] = self.inputs, self.encoding_format
+        else:
+            data["prompt"] = self.prompt
+        data["sampling"] = self.sampling
+        if self.echo:  # only when set: shard files written before it read back the same
+            data["echo"] = True
+        if self.tools is not None:
+            data["tools"] = self.tools.to_json()
+        if self.chat is not False:  # only when set, as echo
+            data["chat"] = self.chat
+        if self.system_prompt is not None:
+            data["system_prompt"] = self.system_prompt
+        for name in ("template_kwargs", "reasoning_effort", "echoed"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParsedRequest:
+        sampling = dict(data["sampling"])
+        if isinstance(sampling.get("logit_bias"), dict):  # JSON turned its int keys into strings
+            sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+        return cls(
+            line=data["line"],
+            custom_id=data["custom_id"],
+            endpoint=data["endpoint"],
+            sampling=sampling,
+            prompt=data.get("prompt"),
+            messages=data.get("messages"),
+            echo=data.get("echo", False) is True,
+            tools=ToolRequest.from_json(data["tools"]) if data.get("tools") else None,
+            chat=data.get("chat", False),
+            system_prompt=data.get("system_prompt"),
+            template_kwargs=data.get("template_kwargs"),
+            reasoning_effort=data.get("reasoning_effort"),
+            echoed=data.get("echoed"),
+            inputs=data.get("inputs"),
+            encoding_format=data.get("encoding_format"),
+        )
+
+
+@dataclass(frozen=True)
+class LineError:
+    """An input line rejected at validation."""
+
+    line: int
+    code: str  # invalid_json, invalid_request, invalid_value, unknown_parameter, unsupported,
+    #            missing_prompt, duplicate_custom_id, line_too_long, invalid_encoding, invalid_csv,
+    #            invalid_row (a Parquet row pyarrow cannot convert)
+    message: str
+    custom_id: str | None = None
+    param: str | None = None
+
+
+def _custom_id(value: Any, limits: InputLimits, *, required: bool, line: int) -> str:
+    if value is None and not required:
+        return f"line-{line}"
+    if isinstance(value, int) and not isinstance(value, bool) and not required:
+        value = str(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest("invalid_request", "custom_id must be a non-empty string", "custom_id")
+    if len(value) > limits.max_custom_id_chars:
+        raise InvalidRequest(
+            "invalid_value", f"custom_id is longer than {limits.max_custom_id_chars} characters", "custom_id"
+        )
+    if "\x00" in value or not _encodable(value):
+        raise InvalidRequest(
+            "invalid_value", "custom_id must be UTF-8 text without NUL characters or lone surrogates", "custom_id"
+        )
+    return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def request_from_object(
+    obj: Any, line: int, limits: InputLimits, options: RequestOptions | None = None
+) -> ParsedRequest:
+    """One JSON object (OpenAI Batch line or plain row) -> ParsedRequest, or InvalidRequest.
+    ``options``: the job's (sampling defaults under the line's fields, the system prompt, chat
+    for ``prompt`` rows)."""
+    options = options or RequestOptions()
+    if not isinstance(obj, dict):
+        raise InvalidRequest("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
+    if _batch_line_without_body(obj):
+        raise InvalidRequest("missing_prompt", "a request needs a body with a prompt or messages", "body")
+    if "body" in obj:  # OpenAI Batch line
+        custom_id = _custom_id(obj.get("custom_id"), limits, required=True, line=line)
+        extra = sorted(set(obj) - _OPENAI_KEYS)
+        if extra:
+            raise InvalidRequest("unknown_parameter", f"unknown field(s) {', '.join(extra)} in a batch line", extra[0])
+        if obj.get("method") != "POST":
+            raise InvalidRequest("invalid_value", f'method must be "POST", got {shown(obj.get("method"))}', "method")
+        endpoint = obj.get("url")
+        if endpoint not in ENDPOINTS:
+            raise InvalidRequest(
+                "invalid_value", f"url must be one of {', '.join(ENDPOINTS)}, got {shown(endpoint)}", "url"
+            )
+        body = obj["body"]
+        if not isinstance(body, dict):
+            raise InvalidRequest("invalid_request", "body must be a JSON object", "body")
+        body, strict, plain = options.body_with_defaults(body), True, False
+    else:  # a plain dataset row
+        custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
+        body, strict, plain = options.body_with_defaults(obj), False, True
+        endpoint = CHAT if "messages" in obj else EMBEDDINGS if "input" in obj and "prompt" not in obj else COMPLETIONS
+    if endpoint == EMBEDDINGS:
+        # The job's sampling defaults are for generation: an embeddings body is read as sent.
+        inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=strict)
+        return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
+    echoed = None
+    if endpoint == RESPONSES:
+        echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
+        body = chat_body(body)
+    if endpoint in (CHAT, RESPONSES):
+        if "messages" not in body:
+            raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
+        messages = options.with_system(parse_messages(body["messages"], limits))
+        sampling = sampling_from_body(body, CHAT, limits, strict=strict)
+        tools = apply_tools(body, sampling, limits)
+        kwargs, effort = template_controls(body, limits)
+        return ParsedRequest(
+            line, custom_id, endpoint, sampling, messages=messages, tools=tools, template_kwargs=kwargs,
+            reasoning_effort=effort, echoed=echoed,
+        )  # fmt: skip
+    if "prompt" not in body:
+        what = "a completions request needs a prompt" if strict else "no prompt or messages field"
+        raise InvalidRequest("missing_prompt", what, "prompt")
+    prompt = parse_prompt(body["prompt"])
+    sampling = sampling_from_body(body, endpoint, limits, strict=strict)
+    chat = options.chat if plain and isinstance(prompt, str) else False  # token ids are never rendered
+    return ParsedRequest(
+        line, custom_id, endpoint, sampling, prompt=prompt, echo=echo_from_body(body, endpoint), chat=chat,
+        system_prompt=options.system_prompt if chat is not False else None,
+    )  # fmt: skip
+
+
+def record_from_object(
+    obj: Any, line: int, limits: InputLimits, options: RequestOptions | None = None
+) -> ParsedRequest | LineError:
+    """``request_from_object``, with a rejected line as its ``LineError``."""
+    try:
+        return request_from_object(obj, line, limits, options)
+    except InvalidRequest as exc:
+        return LineError(line, exc.code, exc.message, guess_custom_id(obj), exc.param)
+
+
+def _batch_line_without_body(obj: dict[str, Any]) -> bool:
+    """An OpenAI Batch line that lost its body: a ``method`` or an API ``url`` and nothing to
+    run (a plain row with a prompt and a ``url`` column of its own is fine)."""
+    if "body" in obj or "prompt" in obj or "messages" in obj:
+        return False
+    url = obj.get("url")
+    return "method" in obj or (isinstance(url, str) and url.startswith("/v1/"))
+
+
+class OneEndpoint:
+    """OpenAI Batch lines of one input must all ask for one ``url`` (OpenAI requires one
+    endpoint per batch): the first such line fixes it, and a later line asking for another is
+    that line's ``url_mismatch`` error (one stray line never sinks the job). Lines whose url
+    we do not serve are line errors and fix nothing; plain rows are not checked (each runs
+    as its own endpoint)."""
+
+    def __init__(self) -> None:
+        self.url: str | None = None
+        self.line = 0
+
+    def check(self, obj: Any, line: int) -> LineError | None:
+        if not isinstance(obj, dict) or "body" not in obj or obj.get("url") not in ENDPOINTS:
+            return None
+        url = obj["url"]
+        if self.url is None:
+            self.url, self.line = url, line
+            return None
+        if url == self.url:
+            return None
+        return LineError(
+            line,
+            "url_mismatch",
+            f"url {url} differs from this batch's endpoint {self.url} (set by line {self.line}): OpenAI "
+            "requires one endpoint per batch; submit these lines as a job of their own",
+            guess_custom_id(obj),
+            "url",
+        )
+
+
+def guess_custom_id(obj: Any) -> str | None:
+    """The custom_id to show with a rejected line, if it is text that can be written."""
+    if isinstance(obj, dict):
+        cid = obj.get("custom_id", obj.get("id"))
+        if isinstance(cid, (str, int)) and not isinstance(cid, bool):
+            text = str(cid)[:MAX_CUSTOM_ID_CHARS]
+            return text if _encodable(text) else None
+    return None

@@ -1,0 +1,67 @@
+"""The API server's ``/metrics``, framework-agnostic: bytes and a content type.
+
+The API process runs no engine and stores no items, so its metrics are the database's
+(``db_collector``: jobs by status; per model the demand, the shards waiting and in flight,
+the jobs waiting and the live workers; the catalog's models always) plus the process's own.
+Mount it in FastAPI as a plain ``def`` route (the read blocks on the database, so it runs in
+the thread pool, not on the event loop)::
+
+    from fastapi import FastAPI, Request, Response
+    from conveyor.worker.metrics.exposition import ApiMetrics
+
+    metrics = ApiMetrics(settings)            # once, at start-up; metrics.close() at shutdown
+
+    @app.get("/metrics", include_in_schema=False)
+    def get_metrics(request: Request) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+``metrics.registry`` takes the API's own metrics too (e.g. requests by route).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.catalog import declared_models
+from conveyor.worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
+from conveyor.worker.metrics.registry import new_registry
+
+
+class MetricsPayload(NamedTuple):
+    body: bytes
+    content_type: str
+
+
+def render(registry: CollectorRegistry, accept: str | None = None) -> MetricsPayload:
+    """``registry`` in the format the scraper's ``Accept`` header asks for: OpenMetrics if it
+    asks for it, else Prometheus' text format 0.0.4."""
+    encoder, content_type = choose_encoder(accept or "")
+    return MetricsPayload(encoder(registry), content_type)
+
+
+class ApiMetrics:
+    """The metrics of an API server process: the database's counts and the process's."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.registry = new_registry()
+        self._db = metrics_db_engine(settings.database)
+        self.registry.register(
+            DatabaseCollector(
+                self._db,
+                live_seconds=settings.worker_live_seconds,
+                cache_seconds=settings.metrics_cache_seconds,
+                models=declared_models(settings),
+            )
+        )
+
+    def render(self, accept: str | None = None) -> MetricsPayload:
+        return render(self.registry, accept)
+
+    def close(self) -> None:
+        self._db.dispose()

@@ -1,6 +1,0 @@
-"""Speculative decoding: proposers (prompt lookup, a draft model), verification, stats."""
-
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.stats import SpecDecodeStats
-
-__all__ = ["SpecDecodeStats", "SpeculativeConfig"]
