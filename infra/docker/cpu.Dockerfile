@@ -7,27 +7,28 @@
 # Two stages: `build` installs the CPU torch wheel and the package into /opt/venv; the
 # runtime stage copies only that venv onto a clean base (no compiler, no pip cache).
 # Versions are pinned by tag here; pin by digest in your registry mirror
-# (`FROM python:3.12.11-slim-bookworm@sha256:...`) for byte-identical rebuilds.
+# (`FROM python:3.11.14-slim-bookworm@sha256:...`) for byte-identical rebuilds. CPython 3.11: the
+# Python requirements/image-cpu.lock is resolved for.
 
-ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, from the CPU wheel index: the package's `torch>=2.4` is then already met and
-# pip never pulls the CUDA build (several GB) into a CPU image. The version is the Makefile's.
-ARG TORCH_VERSION=2.13.0
+# The exact versions of requirements/image-cpu.lock (`make lock`), every file checked against
+# its hash: worker and parquet's dependencies and torch's CPU build, which PyTorch's CPU index
+# serves (PyPI's Linux torch is the multi-GB CUDA build). Then the package alone, --no-deps. For
+# other extras (`sqs`), add them to requirements/lock.sh and run `make lock`.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+COPY requirements/image-cpu.lock ./requirements/
+RUN pip install --require-hashes --no-deps --extra-index-url "${TORCH_INDEX_URL}" -r requirements/image-cpu.lock
 COPY pyproject.toml README.md ./
 COPY conveyor ./conveyor
-# The extras the package declares in pyproject.toml: `worker` (Celery, SQLAlchemy, boto3, ...)
-# and `parquet` (workers ingest Parquet inputs). Add `sqs` for Amazon SQS as the broker.
-ARG EXTRAS=worker,parquet
-RUN pip install ".[${EXTRAS}]" \
+RUN pip install --no-deps . \
+    && pip check \
     && conveyor --version
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -20,19 +20,17 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# The CUDA torch wheel, the Makefile's version. PyPI's Linux x86_64 torch is the CUDA build;
-# point TORCH_INDEX_URL at https://download.pytorch.org/whl/cuXYZ to pick another CUDA version
-# (keep CUDA_IMAGE's CUDA major version the same).
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# The exact versions of requirements/image-cuda.lock (`make lock`, for Ubuntu 24.04's CPython
+# 3.12), every file checked against its hash: worker, triton and parquet's dependencies and
+# PyPI's Linux torch, which is the CUDA build (keep CUDA_IMAGE's CUDA major version the one that
+# torch wheel was built for). Then the package alone, --no-deps.
 WORKDIR /src
+COPY requirements/image-cuda.lock ./requirements/
+RUN pip install --require-hashes --no-deps -r requirements/image-cuda.lock
 COPY pyproject.toml README.md ./
 COPY conveyor ./conveyor
-# The extras the package declares in pyproject.toml: `worker`, `triton` (the CUDA attention
-# kernels) and `parquet` (workers ingest Parquet inputs). Add `sqs` for Amazon SQS.
-ARG EXTRAS=worker,triton,parquet
-RUN pip install ".[${EXTRAS}]" \
+RUN pip install --no-deps . \
+    && pip check \
     && conveyor --version
 
 FROM ${CUDA_IMAGE} AS runtime

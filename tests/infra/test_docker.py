@@ -1,5 +1,5 @@
 """infra/docker: the Dockerfiles (parsed with BuildKit's own parser) install exactly what the
-package declares (its extras, its `conveyor` script, the Makefile's torch), as a non-root user
+package declares (its lock file's exact versions, its `conveyor` script, the Makefile's torch), as a non-root user
 with the model cache on a volume; and what they install works: the package built from exactly
 the files they COPY runs `conveyor db upgrade` outside the source tree.
 
@@ -32,6 +32,7 @@ from tests.infra.contract import (
     pyproject,
     read_dockerfile,
 )
+from tests.infra.locks import IMAGE_LOCKS, lock_pins
 
 # Python in each base image family (the CUDA image uses the distribution's python3).
 DISTRO_PYTHON = {"ubuntu24.04": "3.12", "ubuntu22.04": "3.10"}
@@ -46,11 +47,15 @@ def install_runs(df: Dockerfile) -> list[str]:
     return [c.value[0] for c in df.all("RUN") if re.search(r"\bpip install\b", c.value[0])]
 
 
-def extras(df: Dockerfile) -> set[str]:
-    """The extras the package is installed with: `pip install ".[${EXTRAS}]"`, EXTRAS's default."""
-    package_installs = [r for r in install_runs(df) if '".[${EXTRAS}]"' in r]
-    assert len(package_installs) == 1, f'{df.path.name}: install the package once, as ".[${{EXTRAS}}]"'
-    return set(df.args["EXTRAS"].split(","))
+def lock_installs(df: Dockerfile) -> list[str]:
+    """The lock files the Dockerfile installs: `pip install --require-hashes --no-deps -r LOCK`."""
+    found = []
+    for run in install_runs(df):
+        match = re.search(r"-r (requirements/\S+\.lock)", run)
+        if match:
+            assert "--require-hashes" in run and "--no-deps" in run, f"{df.path.name}: {run}"
+            found.append(match.group(1))
+    return found
 
 
 def dockerignore_excludes(path: str) -> bool:
@@ -93,15 +98,18 @@ def test_base_images_are_pinned(kind):
 
 
 @pytest.mark.parametrize("kind", list(DOCKERFILES))
-def test_installs_the_extras_the_package_declares(kind):
+def test_installs_its_lock_then_the_package_alone(kind):
     df = dockerfile(kind)
-    declared = set(pyproject()["project"]["optional-dependencies"])
-    chosen = extras(df)
-    assert chosen <= declared, f"{df.path.name} installs extras the package does not declare: {chosen - declared}"
-    assert "worker" in chosen
-    assert not chosen & DEV_EXTRAS, "no test or lint tools in an image"
+    assert lock_installs(df) == [IMAGE_LOCKS[kind].path], f"{df.path.name} installs {lock_installs(df)}"
+    assert IMAGE_LOCKS[kind].path in copied_sources(df), "the lock is copied into the build context"
+    runs = install_runs(df)
+    package = [r for r in runs if re.search(r"pip install --no-deps \.(\s|$)", r)]
+    assert len(package) == 1, f"{df.path.name}: install the package once, --no-deps, after its lock"
+    assert runs.index(package[0]) > runs.index(next(r for r in runs if "--require-hashes" in r))
+    assert "worker" in IMAGE_LOCKS[kind].extras
+    assert not IMAGE_LOCKS[kind].extras & DEV_EXTRAS, "no test or lint tools in an image"
     if kind == "cuda":
-        assert "triton" in chosen, "the CUDA image needs the Triton kernels"
+        assert "triton" in IMAGE_LOCKS[kind].extras, "the CUDA image needs the Triton kernels"
 
 
 @pytest.mark.parametrize("kind", list(DOCKERFILES))
@@ -115,26 +123,29 @@ def test_entrypoint_is_the_declared_conveyor_script(kind):
 
 
 @pytest.mark.parametrize("kind", list(DOCKERFILES))
-def test_torch_is_the_makefile_version(kind):
+def test_torch_is_the_makefile_version_and_python_the_locks(kind):
     df = dockerfile(kind)
-    assert df.args["TORCH_VERSION"] == makefile_torch_version()
-    torch_installs = [r for r in install_runs(df) if '"torch==${TORCH_VERSION}"' in r]
-    assert len(torch_installs) == 1, "install torch once, pinned, before the package"
-    runs = install_runs(df)
-    assert runs.index(torch_installs[0]) < runs.index(next(r for r in runs if ".[${EXTRAS}]" in r))
+    lock = IMAGE_LOCKS[kind]
+    torch = lock_pins(ROOT / lock.path)["torch"]
+    assert torch == makefile_torch_version() + ("+cpu" if kind == "cpu" else ""), torch
     if kind == "cpu":
-        # The CPU wheel index: otherwise pip pulls the multi-GB CUDA build into a CPU image.
+        # The CPU wheel index: PyPI's Linux torch is the multi-GB CUDA build.
         assert df.args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+        assert "${TORCH_INDEX_URL}" in next(r for r in install_runs(df) if "--require-hashes" in r)
+    assert image_python(df) == lock.python, f"{lock.path} is resolved for CPython {lock.python}"
 
 
-@pytest.mark.parametrize("kind", list(DOCKERFILES))
-def test_python_meets_requires_python(kind):
-    df = dockerfile(kind)
+def image_python(df: Dockerfile) -> str:
     base = df.final.base
     match = re.match(r"python:(\d+\.\d+)", base)
     distro = next((d for d in DISTRO_PYTHON if d in base), None)
     assert match or distro, f"which python does {base} have? (add it to DISTRO_PYTHON)"
-    python = match.group(1) if match else DISTRO_PYTHON[str(distro)]
+    return match.group(1) if match else DISTRO_PYTHON[str(distro)]
+
+
+@pytest.mark.parametrize("kind", list(DOCKERFILES))
+def test_python_meets_requires_python(kind):
+    python = image_python(dockerfile(kind))
     assert Version(python) in SpecifierSet(pyproject()["project"]["requires-python"])
 
 
@@ -207,7 +218,7 @@ def test_the_package_the_images_build_runs_outside_the_source_tree(tmp_path):
         if src.is_dir():
             shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
-            context.mkdir(exist_ok=True)
+            (context / source).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / source)
     wheels = tmp_path / "wheels"
     # Without isolation where the installed setuptools can build wheels (no download); else
