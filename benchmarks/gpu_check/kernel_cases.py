@@ -254,7 +254,7 @@ def moe_dense(tokens, experts, top_k, hidden, inter, dtype) -> Callable[[torch.d
         w13 = (_randn((experts, 2 * inter, hidden), g, device) * hidden**-0.5).to(dtype)
         w2 = (_randn((experts, hidden, inter), g, device) * inter**-0.5).to(dtype)
         weights, ids = _routing(tokens, experts, top_k, device, 13)
-        ref32 = ref.fused_moe(*_f32(x, w13, w2), weights, ids)
+        ref32 = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
         native = ref.fused_moe(x, w13, w2, weights, ids)
         return Prepared(lambda: fused_moe(x, w13, w2, weights, ids), ref32, native)
 
@@ -351,11 +351,11 @@ def q4_k(m, n, k, dtype) -> Callable[[torch.device], Prepared]:
 
         g = _gen(device, 20)
         raw = torch.randint(0, 256, (n, k // 256, 144), generator=g, device=device).to(torch.uint8)
-        raw[..., 0:2] = (torch.rand(n, k // 256, 1, generator=g, device=device) * 4e-4 + 1e-4).to(
-            torch.float16
-        ).view(torch.uint8)
-        raw[..., 2:4] = (torch.rand(n, k // 256, 1, generator=g, device=device) * 8e-4).to(torch.float16).view(
-            torch.uint8
+        raw[..., 0:2] = (
+            (torch.rand(n, k // 256, 1, generator=g, device=device) * 4e-4 + 1e-4).to(torch.float16).view(torch.uint8)
+        )
+        raw[..., 2:4] = (
+            (torch.rand(n, k // 256, 1, generator=g, device=device) * 8e-4).to(torch.float16).view(torch.uint8)
         )
         parts = split_q4_k(raw.reshape(n, -1))
         x = _x(m, k, dtype, device)

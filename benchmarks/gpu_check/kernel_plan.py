@@ -35,8 +35,8 @@ def cases(dry: bool) -> list[Case]:
     mheads, rank, rope = pick((16, 512, 64), (4, 32, 8))
     mla_lens = pick([2048], [40]), pick([1024 - 13 * i for i in range(64)], [40, 17, 3])
     # Experts: gpt-oss-20b (32, top 4, 2880 and 2880); Qwen3.5-35B-A3B (256, top 8, hidden 2048, 512).
-    oss = pick((32, 4, 2880, 2880), (6, 2, 64, 64))
-    q35 = pick((256, 8, 2048, 512), (8, 3, 48, 40))
+    oss: tuple[int, int, int, int] = pick((32, 4, 2880, 2880), (6, 2, 64, 64))
+    q35: tuple[int, int, int, int] = pick((256, 8, 2048, 512), (8, 3, 48, 40))
     tokens = pick((1, 64, 1024), (1, 7, 19))
     # Qwen3-8B (hidden 4096, intermediate 12288; gate and up fused) and Llama-3.1-8B (4096, 14336).
     hid, q_inter, l_inter = pick((4096, 12288, 14336), (256, 512, 512))
@@ -63,9 +63,9 @@ def cases(dry: bool) -> list[Case]:
             kc.delta_prefill(verify, kh, vh, dk, dv, low, snapshots=4),
         ),
         case("conv_update", "qwen3.5-9b", "batch 64", low, kc.conv_update(len(dec64), conv, 4, low)),
-        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[0]} token", low, kc.moe_mxfp4(tokens[0], *oss, low)),
-        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[1]} tokens", low, kc.moe_mxfp4(tokens[1], *oss, low)),
-        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[2]} tokens", low, kc.moe_mxfp4(tokens[2], *oss, low)),
+        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[0]} token", low, kc.moe_mxfp4(tokens[0], *oss, dtype=low)),
+        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[1]} tokens", low, kc.moe_mxfp4(tokens[1], *oss, dtype=low)),
+        case("moe_mxfp4", "gpt-oss-20b", f"{tokens[2]} tokens", low, kc.moe_mxfp4(tokens[2], *oss, dtype=low)),
         case(
             "attention_sinks",
             "gpt-oss-20b",
@@ -73,7 +73,13 @@ def cases(dry: bool) -> list[Case]:
             low,
             kc.attention_sinks(dec64, okv, ogrp, ohd, owin, low),
         ),
-        case("attention_sinks", "gpt-oss-20b", "decode 64 full", low, kc.attention_sinks(dec64, okv, ogrp, ohd, None, low)),
+        case(
+            "attention_sinks",
+            "gpt-oss-20b",
+            "decode 64 full",
+            low,
+            kc.attention_sinks(dec64, okv, ogrp, ohd, None, low),
+        ),
         case(
             "attention_sinks",
             "gpt-oss-20b",
@@ -91,7 +97,9 @@ def cases(dry: bool) -> list[Case]:
         case("mla_decode", "deepseek-v2-lite", "batch 1", low, kc.mla(mla_lens[0], mheads, rank, rope, low)),
         case("mla_decode", "deepseek-v2-lite", "batch 64", low, kc.mla(mla_lens[1], mheads, rank, rope, low)),
         case("fp8_block_gemm", "qwen3-8b", "gate_up m=1", low, kc.fp8_block(1, 2 * q_inter, hid, block, low)),
-        case("fp8_block_gemm", "qwen3-8b", f"gate_up m={m_big}", low, kc.fp8_block(m_big, 2 * q_inter, hid, block, low)),
+        case(
+            "fp8_block_gemm", "qwen3-8b", f"gate_up m={m_big}", low, kc.fp8_block(m_big, 2 * q_inter, hid, block, low)
+        ),
         case("fp8_block_gemm", "qwen3-8b", "down m=64", half, kc.fp8_block(64, hid, q_inter, block, half)),
         case("q4_k_gemm", "llama-3.1-8b", "gate m=1", low, kc.q4_k(1, l_inter, hid, low)),
         case("q4_k_gemm", "llama-3.1-8b", "down m=64", low, kc.q4_k(64, hid, l_inter, low)),
@@ -103,7 +111,7 @@ def cases(dry: bool) -> list[Case]:
         case("fp8_kv_scaled", "llama-3.1-8b", "prefill", low, kc.fp8_kv_scaled(prefill, lkv, lgrp, lhd, low)),
         case("w8a8_scaled_mm", "llama-3.1-8b", "gate m=1", low, kc.w8a8(1, l_inter, hid, low)),
         case("w8a8_scaled_mm", "llama-3.1-8b", f"gate m={m_big}", low, kc.w8a8(m_big, l_inter, hid, low)),
-        case("moe_bf16", "qwen3.5-35b-a3b", f"{tokens[0]} token", low, kc.moe_dense(tokens[0], *q35, low)),
-        case("moe_bf16", "qwen3.5-35b-a3b", f"{tokens[1]} tokens", low, kc.moe_dense(tokens[1], *q35, low)),
-        case("moe_bf16", "qwen3.5-35b-a3b", "2048 tokens", low, kc.moe_dense(pick(2048, 19), *q35, low)),
+        case("moe_bf16", "qwen3.5-35b-a3b", f"{tokens[0]} token", low, kc.moe_dense(tokens[0], *q35, dtype=low)),
+        case("moe_bf16", "qwen3.5-35b-a3b", f"{tokens[1]} tokens", low, kc.moe_dense(tokens[1], *q35, dtype=low)),
+        case("moe_bf16", "qwen3.5-35b-a3b", "2048 tokens", low, kc.moe_dense(pick(2048, 19), *q35, dtype=low)),
     ]
