@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--select", nargs=argparse.REMAINDER, default=None, help="pytest arguments instead of GPU_TESTS")
     args = ap.parse_args(argv)
 
-    junit = args.work / "correctness.xml"
+    junit = args.work / f"{args.out.stem}.xml"  # (one per step that runs this)
     junit.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", f"--junitxml={junit}"]
     if args.select:  # a second, shorter call: what the first one found

@@ -29,6 +29,38 @@ def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
     models = ["--models", str(work / "models")]
     return [
         Step(
+            "kernel_shapes",
+            "each kernel written since the first GPU run (gated delta, MLA decode, sinks, FP8 KV with "
+            "per-head scales, W4A16/FP8-block/Q8_0/Q4_K GEMMs, MXFP4 and bf16 experts, W8A8) against its "
+            "float32 reference at released models' shapes, timed",
+            [*py, "benchmarks.gpu_check.kernel_shapes", "--out", str(out / "kernel_shapes.json"), *dry],
+            limit_s=90 * slack,
+            outputs=["kernel_shapes.json"],
+        ),
+        Step(
+            "models",
+            "bf16 teacher-forced logits at full width and two layers: Qwen3.5-9B, Qwen3.5-35B-A3B, "
+            "gpt-oss-20b (MXFP4), DeepSeek-V2-Lite (MLA), Qwen3-8B FP8-block, Llama-3.1-8B Q4_K GGUF",
+            [
+                *py,
+                "benchmarks.gpu_check.correctness",
+                "--out",
+                str(out / "models.json"),
+                "--work",
+                str(work),
+                *models,
+                *dry,
+                "--workers",
+                "3",
+                "--test-timeout",
+                "110",
+                "--select",
+                "tests/engine/test_bf16_logits_families.py",
+            ],
+            limit_s=120 * slack,
+            outputs=["models.json"],
+        ),
+        Step(
             "correctness",
             "kernels in bf16/fp16 against their references, the triton backend and CUDA graphs against "
             "eager and transformers, bf16 teacher-forced logits at Qwen3-0.6B and Llama-3.1-8B shapes",
@@ -42,8 +74,16 @@ def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
                 *models,
                 *dry,
             ],
-            limit_s=170 * slack,
+            limit_s=100 * slack,
             outputs=["correctness.json"],
+        ),
+        Step(
+            "roofline",
+            "decode steps against the bytes they must move (weights and KV) at batch 1/64/256 and context "
+            "512/2048, as a fraction of the measured copy bandwidth; the attention kernel alone",
+            [*py, "benchmarks.bench_decode_roofline", "--out", str(out / "roofline.json"), *models, *dry],
+            limit_s=40 * slack,
+            outputs=["roofline.json"],
         ),
         Step(
             "throughput",
@@ -58,31 +98,12 @@ def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
                 str(work),
                 *models,
                 *dry,
+                # On the GPU, ours alone: the transformers baselines (13-14x slower on an H100,
+                # benchmarks/results/gpu_h100_2026-11-26) take minutes this loan does not have.
+                *([] if dry_run else ["--systems", "engine"]),
             ],
-            limit_s=400 * slack,
-            outputs=["throughput.json"],
-        ),
-        Step(
-            "roofline",
-            "decode steps against the bytes they must move (weights and KV) at batch 1/64/256 and context "
-            "512/2048, as a fraction of the measured copy bandwidth; the attention kernel alone",
-            [*py, "benchmarks.bench_decode_roofline", "--out", str(out / "roofline.json"), *models, *dry],
             limit_s=90 * slack,
-            outputs=["roofline.json"],
-        ),
-        Step(
-            "cuda_graphs",
-            "decode throughput with and without CUDA graphs, side by side",
-            [
-                *py,
-                "benchmarks.bench_cuda_graphs",
-                "--out",
-                str(out / "cuda_graphs.json"),
-                *dry,
-                *([] if dry_run else ["--batches", "1", "64", "256", "--layers", "8", "--repeats", "2"]),
-            ],
-            limit_s=60 * slack,
-            outputs=["cuda_graphs.json"],
+            outputs=["throughput.json"],
         ),
         Step(
             "moe",
@@ -95,7 +116,21 @@ def plan(out: Path, work: Path, *, dry_run: bool) -> list[Step]:
                 *dry,
                 *([] if dry_run else ["--shapes", "qwen3-moe", "mixtral", "--tokens", "1", "16", "256", "2048"]),
             ],
-            limit_s=45 * slack,
+            limit_s=30 * slack,
             outputs=["moe.json"],
+        ),
+        Step(
+            "cuda_graphs",
+            "decode throughput with and without CUDA graphs, side by side",
+            [
+                *py,
+                "benchmarks.bench_cuda_graphs",
+                "--out",
+                str(out / "cuda_graphs.json"),
+                *dry,
+                *([] if dry_run else ["--batches", "1", "64", "256", "--layers", "8", "--repeats", "2"]),
+            ],
+            limit_s=20 * slack,
+            outputs=["cuda_graphs.json"],
         ),
     ]

@@ -254,6 +254,7 @@ def build_tiny_model(
     vocab_size: int | None = None,
     rope_theta: float | None = None,
     save_dtype: torch.dtype = torch.float32,
+    overrides: dict | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (config.json, generation_config.json, safetensors,
     tokenizer) of ``family`` to ``path`` and return the path.
@@ -265,7 +266,9 @@ def build_tiny_model(
     ``sliding_window``: Mistral's window (none by default) or Gemma's (``GEMMA_DEFAULTS``); Gemma's
     layers alternate between sliding (even layers) and full attention. ``vocab_size``: the
     model's vocabulary when larger than the tokenizer's (a real model's embedding shape; the
-    extra ids are reachable as token-id prompts). ``save_dtype``: the checkpoint's dtype."""
+    extra ids are reachable as token-id prompts). ``save_dtype``: the checkpoint's dtype.
+    ``overrides``: config fields set last, over everything above (a released model's own
+    hybrid head counts or layer types)."""
     import transformers
 
     if family not in FAMILIES and family not in FALLBACK_FAMILIES:
@@ -355,6 +358,7 @@ def build_tiny_model(
     if family == "phi3" and rope_scaling and "original_max_position_embeddings" in rope_scaling:
         # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
         kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    kwargs.update(overrides or {})
     config = config_cls(**kwargs)
     if rope_theta is not None:
         _set_rope_theta(config, rope_theta)

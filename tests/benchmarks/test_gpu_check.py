@@ -14,8 +14,10 @@ import pytest
 
 from benchmarks.gpu_check.carry_size import LIMIT_BYTES, carried_bytes
 from benchmarks.gpu_check.correctness import summarise
+from benchmarks.gpu_check.kernel_plan import cases
 from benchmarks.gpu_check.runner import LOG, SUMMARY, CheckRun
 from benchmarks.gpu_check.steps import Step, plan
+from tests.engine.family_shapes import FAMILY_SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +55,14 @@ def test_the_dry_run_runs_every_step_and_writes_every_file(tmp_path):
     assert all(f"=== {s.name}" in log for s in steps)
 
     results = {s["name"]: s["results"] for s in summary["steps"]}
+    kernels = results["kernel_shapes"]["kernel_shapes.json"]
+    assert {c["name"] for c in kernels["cases"]} == {c.name for c in cases(dry=True)}
+    assert kernels["counts"] == {"pass": len(cases(dry=True)), "fail": 0, "error": 0}, kernels["cases"]
+    assert all(c["rel_err"] < 1e-3 and c["median_ms"] > 0 for c in kernels["cases"])
+    models = results["models"]["models.json"]
+    assert models["counts"]["passed"] == len(FAMILY_SHAPES), models
+    assert {t.rsplit("[", 1)[1].rstrip("]") for t in models["properties"]} == set(FAMILY_SHAPES)
+    assert all(f["ours_mean"] > 0 and f["positions"] > 0 for f in models["properties"].values())
     correctness = results["correctness"]["correctness.json"]
     assert correctness["complete"] and correctness["counts"]["failed"] == 0 and correctness["counts"]["passed"] >= 3
     figures = correctness["properties"]  # the bf16 test's figures at both model shapes

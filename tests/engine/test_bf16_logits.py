@@ -62,9 +62,9 @@ def _hf_logits(model, ids: list[int], n: int) -> torch.Tensor:
     return out[len(ids) - n - 1 : len(ids) - 1]
 
 
-def _hf_model(path: str, dtype: torch.dtype) -> Any:
+def _hf_model(path: str, dtype: torch.dtype, **kwargs: Any) -> Any:
     """Transformers' model of ``path`` on DEVICE, as the oracle (eager attention)."""
-    return oracle_model(path, dtype).to(DEVICE)
+    return oracle_model(path, dtype, **kwargs).to(DEVICE)
 
 
 @dataclass
@@ -92,10 +92,11 @@ class LogitErrors:
         assert self.hf_mean > 1e-3, self.summary()
 
 
-def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: int) -> LogitErrors:
+def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: int, **hf_kwargs: Any) -> LogitErrors:
     """Feed the engine transformers' float32 greedy continuation of each prompt and compare
-    its logits at every step with transformers' float32 and bf16 logits of the same sequence."""
-    hf32 = _hf_model(path, torch.float32)
+    its logits at every step with transformers' float32 and bf16 logits of the same sequence
+    (``hf_kwargs``: for transformers' ``from_pretrained``, e.g. a GGUF file's name)."""
+    hf32 = _hf_model(path, torch.float32, **hf_kwargs)
     continuations = {}
     for ids in prompts:
         x = torch.tensor([ids], device=DEVICE)
@@ -115,7 +116,7 @@ def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: 
     fulls = {key: list(key) + continuations[key] for key in continuations}
     refs = {key: _hf_logits(hf32, full, new_tokens) for key, full in fulls.items()}
     del hf32
-    hf16 = _hf_model(path, torch.bfloat16)
+    hf16 = _hf_model(path, torch.bfloat16, **hf_kwargs)
     ours_errs: list[torch.Tensor] = []
     hf_errs: list[torch.Tensor] = []
     flips = 0
