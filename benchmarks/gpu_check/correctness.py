@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
@@ -51,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     junit = args.work / f"{args.out.stem}.xml"  # (one per step that runs this)
     junit.unlink(missing_ok=True)
+    reports = args.work / f"{args.out.stem}.jsonl"  # each test as pytest reports it (report_plugin)
+    reports.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", f"--junitxml={junit}"]
+    cmd += ["-p", "benchmarks.gpu_check.report_plugin"]
     if args.select:  # a second, shorter call: what the first one found
         cmd += args.select
     else:
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.monotonic()
     # Output goes through this process, line by line, so that a run stopped from outside still
     # leaves the outcomes it printed (parsed below when there is no junit file).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    env = dict(os.environ, CONVEYOR_GPU_CHECK_REPORTS=str(reports))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     assert proc.stdout is not None
     printed: list[str] = []
     try:
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, end="", flush=True)
     finally:
         proc.wait()
-        report = summarise(junit, printed, proc.returncode, time.monotonic() - begin)
+        report = summarise(junit, reports, printed, proc.returncode, time.monotonic() - begin)
         args.out.write_text(json.dumps(report, indent=2))
     print(f"correctness: {report['counts']} in {report['seconds']:.0f}s")
     return (
@@ -83,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-def summarise(junit: Path, printed: list[str], returncode: int | None, seconds: float) -> dict[str, Any]:
+def summarise(junit: Path, reports: Path, printed: list[str], returncode: int | None, seconds: float) -> dict[str, Any]:
     """Counts, failures with their messages, and the figures tests recorded; from the junit
-    file, or (pytest was stopped before writing it) from the outcomes it printed."""
+    file, or (pytest was stopped before writing it) from what the report plugin wrote as each
+    test ended, or else from the outcomes it printed."""
     report: dict[str, Any] = {"returncode": returncode, "seconds": round(seconds, 1)}
     if junit.exists():
         report.update(_from_junit(junit))
+    elif reports.exists():
+        report.update(_from_reports(reports))
     else:
         outcomes = {test: word for word, test in OUTCOME.findall("".join(printed))}
         counts: dict[str, int] = {}
@@ -101,6 +109,23 @@ def summarise(junit: Path, printed: list[str], returncode: int | None, seconds: 
             properties={},
         )
     return report
+
+
+def _from_reports(path: Path) -> dict[str, Any]:
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    failures: list[dict[str, str]] = []
+    properties: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        outcome = entry["outcome"]
+        if outcome == "failed" and entry["when"] != "call":
+            outcome = "error"  # a fixture's failure, as junit counts it
+        counts[outcome] += 1
+        if outcome in ("failed", "error"):
+            failures.append({"test": entry["test"], "message": entry.get("message", "")})
+        if entry.get("properties"):
+            properties[entry["test"]] = entry["properties"]
+    return {"complete": False, "counts": counts, "failures": failures, "properties": properties}
 
 
 def _from_junit(path: Path) -> dict[str, Any]:

@@ -88,8 +88,8 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         visible = k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window

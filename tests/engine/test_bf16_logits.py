@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -92,11 +93,21 @@ class LogitErrors:
         assert self.hf_mean > 1e-3, self.summary()
 
 
-def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: int, **hf_kwargs: Any) -> LogitErrors:
+def teacher_forced_errors(
+    path: str,
+    llm,
+    prompts: list[list[int]],
+    new_tokens: int,
+    prepare_oracle: Callable[[Any], Any] | None = None,
+    **hf_kwargs: Any,
+) -> LogitErrors:
     """Feed the engine transformers' float32 greedy continuation of each prompt and compare
     its logits at every step with transformers' float32 and bf16 logits of the same sequence
-    (``hf_kwargs``: for transformers' ``from_pretrained``, e.g. a GGUF file's name)."""
-    hf32 = _hf_model(path, torch.float32, **hf_kwargs)
+    (``hf_kwargs``: for transformers' ``from_pretrained``, e.g. a GGUF file's name;
+    ``prepare_oracle``: what the format does beside its weights, applied to both oracles, e.g.
+    a W8A8 format's layers quantizing their inputs)."""
+    prepare = prepare_oracle or (lambda model: model)
+    hf32 = prepare(_hf_model(path, torch.float32, **hf_kwargs))
     continuations = {}
     for ids in prompts:
         x = torch.tensor([ids], device=DEVICE)
@@ -116,7 +127,7 @@ def teacher_forced_errors(path: str, llm, prompts: list[list[int]], new_tokens: 
     fulls = {key: list(key) + continuations[key] for key in continuations}
     refs = {key: _hf_logits(hf32, full, new_tokens) for key, full in fulls.items()}
     del hf32
-    hf16 = _hf_model(path, torch.bfloat16, **hf_kwargs)
+    hf16 = prepare(_hf_model(path, torch.bfloat16, **hf_kwargs))
     ours_errs: list[torch.Tensor] = []
     hf_errs: list[torch.Tensor] = []
     flips = 0
