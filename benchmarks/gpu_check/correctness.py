@@ -115,8 +115,16 @@ def _from_reports(path: Path) -> dict[str, Any]:
     counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     failures: list[dict[str, str]] = []
     properties: dict[str, dict[str, Any]] = {}
+    latest: dict[str, dict[str, Any]] = {}  # a test's teardown report follows its call's
     for line in path.read_text().splitlines():
         entry = json.loads(line)
+        key = entry["test"]
+        if key in latest and entry["outcome"] == "passed":
+            continue
+        if key in latest and "properties" in latest[key]:
+            entry.setdefault("properties", latest[key]["properties"])
+        latest[key] = entry
+    for entry in latest.values():
         outcome = entry["outcome"]
         if outcome == "failed" and entry["when"] != "call":
             outcome = "error"  # a fixture's failure, as junit counts it

@@ -10,10 +10,18 @@ import json
 import os
 from typing import Any
 
+_IN_XDIST_WORKER = False
+
+
+def pytest_configure(config: Any) -> None:
+    # Under xdist the controller receives every worker's reports: only it writes.
+    global _IN_XDIST_WORKER
+    _IN_XDIST_WORKER = hasattr(config, "workerinput")
+
 
 def pytest_runtest_logreport(report: Any) -> None:
     path = os.environ.get("CONVEYOR_GPU_CHECK_REPORTS")
-    if not path or (report.when != "call" and report.passed):
+    if not path or _IN_XDIST_WORKER or (report.when != "call" and report.passed):
         return
     entry: dict[str, Any] = {
         "test": report.nodeid,

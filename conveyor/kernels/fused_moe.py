@@ -62,6 +62,10 @@ class MoETiles:
 _SMALL_BATCH_ROWS_PER_EXPERT = 16
 
 
+# The shortest K step an MXFP4 kernel takes: two dots of half its length, each at least 16 long.
+MXFP4_MIN_BLOCK_K = 32
+
+
 def choose_tiles(
     num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False
 ) -> MoETiles:
@@ -443,6 +447,10 @@ def fused_moe(
     if w13_fp4 != w2_fp4:
         raise ValueError("w13 and w2 must both be MXFP4 or both dense")
     tiles = tiles or choose_tiles(tokens, top_k, num_experts, x.dtype, activation is not None or w13_fp4)
+    if w13_fp4 and tiles.block_k < MXFP4_MIN_BLOCK_K:
+        # Each step decodes its bytes into two half-width dots (even and odd inputs), and
+        # Triton before 3.7 compiles no dot shorter than 16 (seen on an H200 with 3.6).
+        raise ValueError(f"MXFP4 weights need block_k >= {MXFP4_MIN_BLOCK_K}, got {tiles.block_k}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     align = align_assignments(topk_ids, num_experts, tiles.block_m)

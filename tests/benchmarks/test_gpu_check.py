@@ -119,10 +119,39 @@ def test_pytest_stopped_before_its_junit_file_still_reports_what_it_printed(tmp_
         "[gw1] [ 20%] FAILED tests/engine/test_cuda_graphs.py::test_decode_graphs_match_transformers\n",
         "[gw0] [ 30%] SKIPPED tests/engine/test_bf16_logits.py::test_x[y]\n",
     ]
-    report = summarise(tmp_path / "missing.xml", printed, -15, 12.0)
+    report = summarise(tmp_path / "missing.xml", tmp_path / "missing.jsonl", printed, -15, 12.0)
     assert report["complete"] is False and report["returncode"] == -15
     assert report["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
     assert report["failures"][0]["test"] == "tests/engine/test_cuda_graphs.py::test_decode_graphs_match_transformers"
+
+
+def test_each_test_is_reported_as_it_ends_once_under_xdist(tmp_path):
+    """The report plugin writes each outcome, its figures and its failure text as pytest
+    reports it (the controller alone under xdist): what a step stopped at its limit leaves."""
+    (tmp_path / "test_sample.py").write_text(
+        "def test_ok(record_property):\n    record_property('ours_mean', 0.5)\n\n"
+        "def test_bad():\n    assert 1 == 2, 'the figures differ'\n"
+    )
+    reports = tmp_path / "reports.jsonl"
+    env = dict(os.environ, CONVEYOR_GPU_CHECK_REPORTS=str(reports), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.gpu_check.report_plugin"]
+    proc = subprocess.run(
+        [*cmd, "-n", "2", "--rootdir", str(tmp_path), str(tmp_path / "test_sample.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(reports.read_text().splitlines()) == 2, reports.read_text()
+    report = summarise(tmp_path / "missing.xml", reports, [], -15, 3.0)
+    assert report["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
+    [failure] = report["failures"]
+    assert failure["test"].endswith("test_sample.py::test_bad") and "the figures differ" in failure["message"]
+    [(test, figures)] = report["properties"].items()
+    assert test.endswith("::test_ok") and figures == {"ours_mean": 0.5}
 
 
 def test_an_unknown_step_is_refused_by_name(tmp_path):

@@ -186,8 +186,8 @@ def test_mxfp4_reference_is_transformers_dequantization():
     assert packed.blocks.element_size() * packed.blocks.numel() + packed.scales.numel() == w.numel() * 17 // 32
 
 
-# Steps inside a group of 32 (16), and of two groups (64, past the end of hidden 96).
-@pytest.mark.parametrize(("dtype", "block_k"), [(torch.float32, 16), (torch.float16, 64)], ids=["f32-16", "f16-64"])
+# Steps of one group of 32, and of two groups (64, past the end of hidden 96).
+@pytest.mark.parametrize(("dtype", "block_k"), [(torch.float32, 32), (torch.float16, 64)], ids=["f32-32", "f16-64"])
 def test_mxfp4_weights_dequantized_in_the_k_loop(dtype, block_k):
     from conveyor.kernels.fused_moe import MoETiles, fused_moe
 
@@ -205,6 +205,19 @@ def test_mxfp4_weights_dequantized_in_the_k_loop(dtype, block_k):
     dense13, dense2 = w13.dequantize(dtype), w2.dequantize(dtype)
     want = ref.fused_moe(x, dense13, dense2, weights, ids, activation=SWIGLU, b13=b13, b2=b2)
     torch.testing.assert_close(got.cpu(), want.cpu(), **TOL[dtype])
+
+
+def test_mxfp4_steps_shorter_than_two_dots_of_16_are_refused():
+    """A 16-deep step would split into two 8-deep dots, which Triton 3.6 refuses to compile
+    (the first H200 run); the engine's tiles never ask for it, and a caller's are refused."""
+    from conveyor.kernels.fused_moe import MoETiles, fused_moe
+
+    x = torch.randn(3, 64).to(DEVICE)
+    w13, w2 = _mxfp4(torch.randn(EXPERTS, 64, 64) * 0.1), _mxfp4(torch.randn(EXPERTS, 64, 32) * 0.1)
+    weights, ids = torch.topk(torch.randn(3, EXPERTS).softmax(-1), 2, dim=-1)
+    tiles = MoETiles(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1)
+    with pytest.raises(ValueError, match="MXFP4 weights need block_k >= 32, got 16"):
+        fused_moe(x, w13, w2, weights.to(DEVICE), ids.to(DEVICE), tiles=tiles)
 
 
 def test_gpt_oss_variants_compile_for_gpu_without_spills():
