@@ -13,10 +13,11 @@ import pytest
 
 LONGEST_FIRST: tuple[str, ...] = (
     "tests/worker/entrypoints/test_autoscaling.py",  # 204 s
+    "tests/benchmarks/test_gpu_check.py",  # 164 s (113 s before the kernel_shapes and models steps)
     "tests/worker/faults/test_poison_item.py",  # 115 s
-    "tests/benchmarks/test_gpu_check.py",  # 113 s
     "tests/engine/test_correctness.py",  # 93 s
     "tests/engine/test_tensor_parallel.py",  # 90 s
+    "tests/infra/test_install.py",  # 80 s: a fresh venv, torch and the wheel installed
     "tests/engine/test_quantized_checkpoints.py",  # 75 s
     "tests/worker/faults/test_faults.py",  # 69 s
     "tests/engine/test_gguf.py",  # 69 s
