@@ -32,7 +32,7 @@ def test_hub_id_resolves_through_huggingface_hub(tiny_models, tmp_path, make_llm
     (repo / "refs" / "main").write_text(rev)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     code = (
-        "from engine import LLM, SamplingParams\n"
+        "from conveyor.engine import LLM, SamplingParams\n"
         "llm = LLM('conveyor-test/tiny-llama', device='cpu')\n"
         "out = llm.generate('The chef', SamplingParams(max_tokens=6, temperature=0))[0]\n"
         "print(out.token_ids)\n"
