@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conveyor.engine import LLM, SamplingParams
 
-EXAMPLE_PROMPTS = Path(__file__).resolve().parent.parent / "examples" / "prompts.txt"
+EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.txt"
 EXAMPLE_MODEL = Path.home() / ".cache" / "conveyor" / "tiny-llama"
 
 

@@ -230,7 +230,7 @@ def run_cold_start(
     if not 1 <= repeat <= MAX_COLD_START_RUNS:
         raise ValueError(f"repeat must be from 1 to {MAX_COLD_START_RUNS}, got {repeat}")
     spec = json.dumps({**(engine_args or {}), "model": model})
-    root = str(Path(__file__).resolve().parents[1])  # where the engine package lies
+    root = str(Path(__file__).resolve().parents[2])  # where the conveyor package lies
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     runs = []

@@ -8,7 +8,9 @@ two continuations are different texts and are not compared further.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +36,22 @@ def oracle_model(path: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -
     release computes in full. Its SDPA path drops Gemma 2's attention soft cap in some releases
     (5.17 runs it; 5.24 refuses SDPA for Gemma 2), which made a correct engine look wrong on the
     lent GPU. (Its type, the one with ``generate``, is private.)"""
+    kwargs = {**_dequantized_mxfp4(path), **kwargs}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kwargs).eval()
+
+
+def _dequantized_mxfp4(path: str) -> dict[str, Any]:
+    """An MXFP4 checkpoint's oracle runs its experts dequantized. With Hugging Face's
+    ``kernels`` installed (transformers 5.25 requires it) transformers would instead fetch a
+    Triton kernel from the hub, which tests cannot reach; dequantized is what it ran before, the
+    same MXFP4 values in float."""
+    config = Path(path) / "config.json"
+    quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not quantization or quantization.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 class HFReference:

@@ -92,7 +92,7 @@ def test_run_from_s3_is_token_identical_and_a_second_start_downloads_nothing(
     assert _bodies(first) == _bodies(local)  # the same tokens as from the local directory
 
     gets.clear()
-    with caplog.at_level(logging.INFO, logger="worker"):
+    with caplog.at_level(logging.INFO, logger="conveyor.worker"):
         assert main(["run", str(inputs), "--model", uri, "-o", str(second), "-q"]) == 0
     assert gets == []  # listed, found unchanged and intact: nothing downloaded
     assert f"model {uri}: cache ({len(names)} files" in caplog.text
