@@ -14,6 +14,7 @@ import pytest
 LONGEST_FIRST: tuple[str, ...] = (
     "tests/worker/entrypoints/test_autoscaling.py",  # 204 s
     "tests/benchmarks/test_gpu_check.py",  # 164 s (113 s before the kernel_shapes and models steps)
+    "tests/worker/faults/test_broker_restart.py",  # 119 s: Redis 42 s, RabbitMQ 77 s (its node starts twice)
     "tests/worker/faults/test_poison_item.py",  # 115 s
     "tests/engine/test_correctness.py",  # 93 s
     "tests/engine/test_tensor_parallel.py",  # 90 s

@@ -1,6 +1,6 @@
 """Private service instances a fault run may stop, restart and cut without touching the machine's
 shared PostgreSQL, Redis or RabbitMQ: a PostgreSQL cluster (initdb/pg_ctl in a temp directory),
-a redis-server without persistence, and moto's S3 server behind a ``TcpProxy``. Each listens on
+a redis-server without persistence, a RabbitMQ node, and moto's S3 server behind a ``TcpProxy``. Each listens on
 a free port of 127.0.0.1 and is stopped by ``close()``.
 """
 
@@ -102,6 +102,70 @@ class PrivateRedis:
 
     def restart_empty(self) -> None:
         self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+
+
+class PrivateRabbitMQ:
+    """A RabbitMQ node of its own (name, ports, cookie, data and logs under ``workdir``) that a
+    test may SIGKILL and start again: ``restart_empty`` wipes its data first, as a node whose
+    disk was lost (its queues and messages gone)."""
+
+    SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the script itself: the wrapper runs as another user
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "enabled_plugins").write_text("[].\n")
+        self.port = free_port()
+        self.node = f"conveyor-t{self.port}@localhost"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def env(self) -> dict[str, str]:
+        w = self.workdir
+        return {
+            **os.environ, "HOME": str(w), "RABBITMQ_NODENAME": self.node, "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1", "RABBITMQ_DIST_PORT": str(free_port()),
+            "RABBITMQ_MNESIA_BASE": str(w / "mnesia"), "RABBITMQ_LOG_BASE": str(w / "log"),
+            "RABBITMQ_PID_FILE": str(w / "rabbitmq.pid"), "RABBITMQ_ENABLED_PLUGINS_FILE": str(w / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(w / "rabbitmq"),
+        }  # fmt: skip
+
+    def start(self, timeout: float = 60.0) -> None:
+        with open(self.workdir / "rabbitmq.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.SERVER], cwd=self.workdir, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        from kombu import Connection
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rabbitmq-server on {self.port} exited: see {self.workdir / 'rabbitmq.log'}")
+            with contextlib.suppress(Exception), Connection(self.url, connect_timeout=1) as conn:
+                conn.ensure_connection(max_retries=1)
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"rabbitmq-server on {self.port} did not start in {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL the node (the script and the Erlang VM it started share a process group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+
+    def restart_empty(self) -> None:
+        self.kill()
+        shutil.rmtree(self.workdir / "mnesia", ignore_errors=True)
         self.start()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.worker.broker.consumer_watch import ConsumerWatch
 from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.execution.context import WorkerContext
@@ -32,6 +33,7 @@ class AppState:
     registry_id: str | None = None  # this worker process's row in the workers registry
     metrics: WorkerMetrics | None = None  # its /metrics server, when CONVEYOR_METRICS_PORT is set
     intake_lane: Any = None  # its intake consumer (``conveyor.worker.broker.intake_lane``), once ready
+    consumer: ConsumerWatch = field(default_factory=ConsumerWatch)  # Celery's consumer, as /readyz sees it
     _context: WorkerContext | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

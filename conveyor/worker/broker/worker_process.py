@@ -21,8 +21,11 @@
 - ``worker_shutdown``: stop them and the engine host; mark the worker ``stopped``. A teardown
   still running at the drain deadline is cut short there: the process exits 0 on time.
 
-And one consumer bootstep, ``BrokerReconnected``: each time the consumer connects to the
-broker again after losing it, the sweeper runs at once (``AppState.broker_reconnected``).
+And two consumer bootsteps: ``WatchConsumer`` gives each (re)connected consumer to the
+app's ``ConsumerWatch`` (``/readyz`` says when the worker consumes nothing it should; a lost
+connection met by an ack restarts the consumer: ``conveyor.worker.broker.consumer_watch``), and
+``BrokerReconnected``: each time the consumer connects to the broker again after losing it,
+the sweeper runs at once (``AppState.broker_reconnected``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         enqueue_intake=lambda job_id: enqueue_intake(app, job_id, s.queue_prefix),
     )
     state.sweeper = sweeper
+    ctx.consumer_problem = state.consumer.problem
     state.sweep_thread = Periodic("conveyor-sweeper", s.sweep_interval_seconds, sweeper.sweep_once).start()
     state.intake_lane = IntakeLane(app, ctx).start()
     state.background = []
@@ -131,7 +135,25 @@ class BrokerReconnected(bootsteps.StartStopStep):
                 state.broker_reconnected()
 
 
+class WatchConsumer(bootsteps.StartStopStep):
+    """A consumer bootstep: started each time the consumer (re)connects, stopped when it loses
+    its connection or the worker stops."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        state = app_state(c.app)
+        if state is not None:
+            state.consumer.started(c)
+
+    def stop(self, c: Any) -> None:
+        state = app_state(c.app)
+        if state is not None:
+            state.consumer.stopped()
+
+
 def add_consumer_steps(app: Celery) -> None:
+    app.steps["consumer"].add(WatchConsumer)
     app.steps["consumer"].add(BrokerReconnected)
 
 

@@ -86,6 +86,9 @@ class WorkerContext:
     host_factory: Callable[[], EngineHost] | None = None
     on_items: Callable[[int], None] | None = None  # progress: items newly stored
     item_listeners: list[ItemListener] = field(default_factory=list, repr=False)
+    # Why the broker consumer takes no message it should now (None: it consumes), set by the
+    # broker layer once the worker is ready; ``readiness`` reports it.
+    consumer_problem: Callable[[], str | None] | None = field(default=None, repr=False)
     gate: DependencyGate = field(init=False, repr=False)
     state: ProcessState = field(default_factory=ProcessState, repr=False)
     quarantine: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -186,14 +189,17 @@ class WorkerContext:
         return True, {"status": "alive", "phase": self.state.phase.value}
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready to take shards: schema and store checked, model loaded, consuming, not
-        draining, and no dependency down."""
+        """Ready to take shards: schema and store checked, model loaded, consuming every queue
+        it serves, not draining, and no dependency down."""
         phase = self.state.phase
         detail: dict[str, Any] = {"phase": phase.value, "model": self.model, "model_loaded": self.host_started}
         down = self.gate.down()
         if down:
             detail["down"] = down
-        ok = phase is Phase.ready and self.host_started and not down
+        consumer = self.consumer_problem() if self.consumer_problem is not None else None
+        if consumer is not None:
+            detail["consumer"] = consumer
+        ok = phase is Phase.ready and self.host_started and not down and consumer is None
         detail["status"] = "ready" if ok else "not ready"
         return ok, detail
 

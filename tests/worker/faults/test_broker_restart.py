@@ -1,0 +1,106 @@
+"""Two fixed workers lose their broker mid-job to a SIGKILL, and it comes back empty (its
+queues and messages gone): they take shards again within seconds, and every line is answered
+exactly once. Nothing starts a fresh worker here (no autoscaler): the workers that saw the
+broker go must consume again themselves, whatever they were running or had not acknowledged.
+
+The broker is a private instance (the machine's own are never stopped); PostgreSQL is a fresh
+schema and S3 is moto's server, as in the other service tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.schema import upgrade_database
+from tests.worker.helpers import (
+    Stack,
+    assert_each_request_once,
+    jsonl,
+    make_values,
+    openai_lines,
+    scrape,
+    stored_items,
+    wait_for,
+)
+from tests.worker.private_services import PrivateRabbitMQ, PrivateRedis
+from tests.worker.services import free_port
+
+LINES = 400
+SHARD_SIZE = 10  # 40 shards: two running on each worker at any moment
+BOUND_SECONDS = 60.0  # from the broker's restart to the job's end
+OUTAGE_SECONDS = 3.0
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def private_broker(request: pytest.FixtureRequest, tmp_path) -> Iterator[PrivateRedis | PrivateRabbitMQ]:
+    kind = request.param
+    binary = "redis-server" if kind == "redis" else PrivateRabbitMQ.SERVER
+    if shutil.which(binary) is None:
+        pytest.skip(f"SERVICE DOWN: {binary} is not here (this test restarts a private {kind})")
+    broker = PrivateRedis(tmp_path / "redis") if kind == "redis" else PrivateRabbitMQ(tmp_path / "rabbitmq")
+    yield broker
+    broker.close()
+
+
+def test_workers_consume_again_after_the_broker_restarts_empty(
+    private_broker, pg_url, s3_bucket, aws_env, tiny_model, spawn_worker, tmp_path
+) -> None:
+    upgrade_database(pg_url)
+    values = make_values(
+        tmp_path / "home", tiny_model, database_url=pg_url, broker_url=private_broker.url,
+        storage_url=f"s3://{s3_bucket}/conveyor",
+    )  # fmt: skip
+    stack = Stack(values, tiny_model)  # the AWS variables come from aws_env
+    ports = [free_port(), free_port()]
+    workers = [spawn_worker(stack, concurrency=2, metrics_port=port) for port in ports]
+    for worker in workers:
+        worker.wait_ready()
+    client = Client(stack.settings)
+    db = create_db_engine(pg_url)
+    job_id = client.submit(jsonl(openai_lines(LINES)), stack.model, shard_size=SHARD_SIZE)["id"]
+    deadline = time.monotonic() + 60
+    while stored_items(db, job_id) < LINES // 4:  # mid-job: shards running on both workers
+        assert time.monotonic() < deadline, "the job did not get a quarter through in 60 s"
+        time.sleep(0.1)
+
+    private_broker.kill()
+    at_kill = stored_items(db, job_id)
+    time.sleep(OUTAGE_SECONDS)
+    private_broker.restart_empty()
+    restarted_at = time.monotonic()
+    waiting = wait_for(lambda: _demand(ports[0]), 10, "the demand metric")
+    assert waiting > 0  # the shards whose messages the broker lost are still counted
+
+    try:
+        job = client.wait(job_id, timeout=BOUND_SECONDS, poll=0.5)
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- worker {i}\n{w.log()[-4000:]}" for i, w in enumerate(workers))
+        pytest.fail(f"{exc}; {at_kill} were stored at the kill\n{logs}")
+    took = time.monotonic() - restarted_at
+    assert took < BOUND_SECONDS
+    for port in ports:  # each worker consumes again, as it says
+        wait_for(functools.partial(_ready, port), 10, f"/readyz on {port}")
+    assert_each_request_once(client, db, job, LINES)
+    db.dispose()
+    client.close()
+
+
+def _demand(port: int) -> float:
+    return sum(sample.value for sample in scrape(port, timeout=3).find("conveyor_demand"))
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=3) as resp:
+            return resp.status == 200
+    except urllib.error.HTTPError:  # 503: not ready
+        return False
