@@ -124,8 +124,9 @@ class EngineEmbedding:
 def embedding_support(model_dir: Path, spec: ModelSpec, config: EngineConfig) -> EngineEmbedding:
     """The engine's embedding: the checkpoint's pooling (``conveyor.engine.pooling_config``), or why
     its requests for vectors are refused (a generation model with no usable pooling config
-    still generates). An encoder only embeds; without sentence-transformers' files it pools
-    the mean, as sentence-transformers does for a plain encoder checkpoint."""
+    still generates). An encoder only embeds (one whose pooling files are refused is refused at
+    load); without sentence-transformers' files it pools the mean, as sentence-transformers
+    does for a plain encoder checkpoint."""
     hidden_size, generates = spec.hidden_size, not spec.encoder
     if config.parallel.tensor_parallel_size > 1:
         return EngineEmbedding(None, hidden_size, "embedding under tensor parallelism is not supported", generates)
@@ -133,5 +134,7 @@ def embedding_support(model_dir: Path, spec: ModelSpec, config: EngineConfig) ->
     try:
         pooling = read_pooling_config(model_dir, default) if model_dir.is_dir() else default
     except ValueError as exc:
+        if spec.encoder:  # (it can do nothing else: refused at load)
+            raise ValueError(f"this encoder cannot embed: {exc}") from None
         return EngineEmbedding(None, hidden_size, str(exc), generates)
     return EngineEmbedding(pooling, hidden_size, None, generates)

@@ -359,6 +359,8 @@ def build_tiny_model(
         # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
         kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
     kwargs.update(overrides or {})
+    if "intermediate_size" not in config_cls().to_dict():  # (Qwen3.5-MoE: no dense MLP, no such key)
+        del kwargs["intermediate_size"]
     config = config_cls(**kwargs)
     if rope_theta is not None:
         _set_rope_theta(config, rope_theta)
@@ -748,10 +750,39 @@ def build_tiny_encoder(
     sentence-transformers saves one: no prefix, the pooler included) with a BPE tokenizer that
     wraps each text in CLS/SEP, taking inputs of up to ``max_positions`` tokens."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if family not in ENCODER_FAMILIES:
         raise ValueError(f"family must be one of {tuple(ENCODER_FAMILIES)}, got {family!r}")
+    path = Path(path)
+    fast = build_tiny_encoder_tokenizer(path, family, max_positions)
+    common = dict(
+        vocab_size=len(fast),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        intermediate_size=intermediate_size,
+        hidden_act=hidden_act,
+        pad_token_id=fast.pad_token_id,
+    )
+    model: Any
+    if family == "bert":
+        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=max_positions, **common))
+    else:  # XLM-R's positions start after the padding id
+        positions = max_positions + fast.pad_token_id + 1
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(max_position_embeddings=positions, **common))
+    torch.manual_seed(seed)
+    model = model.float()
+    _randomize(model, init_std)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def build_tiny_encoder_tokenizer(path: str | Path, family: str = "bert", max_positions: int = 512) -> Any:
+    """Train and save at ``path`` a BPE tokenizer that wraps each text in ``family``'s CLS/SEP;
+    returns the transformers tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     info = ENCODER_FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -783,23 +814,4 @@ def build_tiny_encoder(
         model_max_length=max_positions,
     )
     fast.save_pretrained(str(path))
-    common = dict(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        intermediate_size=intermediate_size,
-        hidden_act=hidden_act,
-        pad_token_id=fast.pad_token_id,
-    )
-    model: Any
-    if family == "bert":
-        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=max_positions, **common))
-    else:  # XLM-R's positions start after the padding id
-        positions = max_positions + fast.pad_token_id + 1
-        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(max_position_embeddings=positions, **common))
-    torch.manual_seed(seed)
-    model = model.float()
-    _randomize(model, init_std)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return fast

@@ -122,7 +122,7 @@ def _metadata(w: Any, cfg: dict, arch: str, layers: int) -> None:
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_feed_forward_length(cfg.get("intermediate_size", 0))  # (Qwen3.5-MoE has none)
     w.add_head_count(heads)
     w.add_head_count_kv(1 if arch == "deepseek2" else cfg["num_key_value_heads"])
     w.add_rope_freq_base(rope["rope_theta"])

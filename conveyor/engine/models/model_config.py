@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from conveyor.engine.models.config_defaults import with_transformers_defaults
 from conveyor.engine.models.gemma4_spec import Gemma4Spec
 from conveyor.engine.models.hybrid_config import LinearAttentionSpec, language_model_config
 from conveyor.engine.models.yarn import yarn_inv_freq, yarn_mscale
@@ -144,6 +145,7 @@ class ModelSpec:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
             raise ValueError("multimodal checkpoints are not supported")
+        cfg = with_transformers_defaults(cfg)
         if model_type in ENCODER_MODEL_TYPES:
             return _encoder_spec(cfg, architecture)
         num_heads = cfg["num_attention_heads"]
@@ -163,12 +165,13 @@ class ModelSpec:
             shapes = (g4.kv_shape("sliding_attention"), g4.kv_shape("full_attention"))
             kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
             cfg = {**cfg, "num_key_value_heads": kv_heads}
+        moe = MoESpec.from_config(cfg)
         return cls(
             model_type=model_type,
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=_dense_intermediate_size(cfg, moe),
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -195,7 +198,7 @@ class ModelSpec:
             local_rope_theta=gemma.local_rope_theta,
             checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=eos_ids,
-            moe=MoESpec.from_config(cfg),
+            moe=moe,
             gemma4=g4,
             rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
@@ -598,6 +601,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _dense_intermediate_size(cfg: dict, moe: MoESpec | None) -> int:
+    """The dense MLPs' width; 0 where every layer is a mixture of experts (Qwen3.5-MoE's
+    config has no ``intermediate_size``: it has no dense MLP)."""
+    size = cfg.get("intermediate_size")
+    if size:
+        return int(size)
+    if moe is not None and len(moe.sparse_layers) == int(cfg["num_hidden_layers"]):
+        return 0
+    raise ValueError(f"{cfg.get('model_type')} config has no intermediate_size for its dense MLP layers")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
