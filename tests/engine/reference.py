@@ -49,7 +49,7 @@ def _dequantized_mxfp4(path: str) -> dict[str, Any]:
     quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
     if not quantization or quantization.get("quant_method") != "mxfp4":
         return {}
-    from transformers import Mxfp4Config
+    from transformers.utils.quantization_config import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 

@@ -13,9 +13,9 @@ import torch
 
 from conveyor.engine import PoolingParams
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.shrunk_checkpoint import build_shrunk_checkpoint
 from tests.engine.embedding_helpers import assert_same_vectors
 from tests.engine.reference import Greedy, assert_greedy_match, greedy, oracle_model
+from tests.engine.shrunk_checkpoint import build_shrunk_checkpoint
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 FAMILIES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "config.json").is_file())

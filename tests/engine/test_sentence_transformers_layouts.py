@@ -82,7 +82,8 @@ def test_an_encoder_saved_by_sentence_transformers_embeds_as_its_encode(encoder,
     SentenceTransformer(modules=modules, device="cpu").save(saved)
     assert "sentence_transformer.modules.pooling.Pooling" in (tmp_path / "saved" / "modules.json").read_text()
     llm = LLM(saved, **F32)
-    assert (llm.engine.embedding.config.pooling, llm.engine.embedding.config.normalize) == ("mean", True)
+    config = llm.engine.embedding.config
+    assert config is not None and (config.pooling, config.normalize) == ("mean", True)
     assert_same_vectors([o.embedding for o in llm.embed(TEXTS)], reference_vectors(saved, TEXTS))
 
 
