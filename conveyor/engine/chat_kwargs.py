@@ -21,6 +21,9 @@ _RESERVED = frozenset(
         "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
         "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
         "bos_token", "eos_token", "raise_exception",
+        # the tokenizer's special tokens (a template would print a request's value as one) and
+        # transformers 5's switch that escapes control tokens in message text
+        "pad_token", "unk_token", "additional_special_tokens", "sanitize_control_tokens",
     }
 )  # fmt: skip
 

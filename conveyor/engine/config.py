@@ -23,6 +23,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # ``transformers`` (transformers' layers with our paged attention plugged in,
 # ``conveyor.engine.models.transformers_fallback``), or ``auto``: native when we have the architecture.
 MODEL_IMPLS = ("auto", "native", "transformers")
+# What ``quantization`` may name: ``conveyor.engine.quantization.registry``'s methods, and GGUF.
+QUANTIZATIONS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "mxfp4")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -62,6 +64,9 @@ class ModelConfig:
     seed: int = 0
     # The longest sequence (prompt and output); None: the model's limit.
     max_model_len: int | None = None
+    # The quantization the checkpoint must carry (``QUANTIZATIONS``: its config.json's quant_method,
+    # or gguf); None: whatever it has. A check, not a conversion: nothing is quantized on load.
+    quantization: str | None = None
     # native, transformers or auto (``MODEL_IMPLS``).
     model_impl: str = "auto"
     # torch, triton or auto (``ATTENTION_BACKENDS``).
@@ -87,6 +92,8 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
 
 
 @dataclass
@@ -184,12 +191,37 @@ class ParallelConfig:
         check_cpu_threads(self.cpu_threads)
 
 
+def _check_budget(value: object, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+
+
+@dataclass
+class InputConfig:
+    """Budgets of the work done on each request's inputs before it runs
+    (``conveyor.engine.inputs``): past one, that request alone is refused."""
+
+    # The most seconds a request's grammar (structured outputs) may take to compile; past it
+    # the request fails ``grammar_too_complex``. None: no limit, and compiled in-process.
+    grammar_compile_seconds: float | None = 10.0
+    # The most seconds tokenising a request's prompt may take; past it the request fails
+    # ``prompt_too_long``. None: no limit.
+    tokenize_seconds: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        _check_budget(self.grammar_compile_seconds, "grammar_compile_seconds")
+        _check_budget(self.tokenize_seconds, "tokenize_seconds")
+
+
 # The groups of ``EngineConfig`` and the flat keyword arguments (``LLM(...)``'s) each takes.
 GROUPS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "inputs": InputConfig,
 }
 _FLAT: dict[str, str] = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}
 # Speculative decoding's flat name; its group is ``EngineConfig.speculative``.
@@ -198,8 +230,8 @@ SPECULATIVE_FLAT = "speculative_config"
 
 class EngineConfig:
     """The engine's configuration in groups: ``model`` (``ModelConfig``), ``cache``
-    (``CacheConfig``), ``scheduler`` (``SchedulerConfig``), ``parallel`` (``ParallelConfig``)
-    and ``speculative`` (``SpeculativeConfig`` or None: off), each validated up front.
+    (``CacheConfig``), ``scheduler`` (``SchedulerConfig``), ``parallel`` (``ParallelConfig``),
+    ``inputs`` (``InputConfig``) and ``speculative`` (``SpeculativeConfig`` or None: off), each validated up front.
 
     Built from the groups, ``EngineConfig(ModelConfig("m"), cache=CacheConfig(block_size=8))``,
     or from flat keyword arguments naming their fields, ``EngineConfig("m", block_size=8,
@@ -210,6 +242,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    inputs: InputConfig
     speculative: SpeculativeConfig | None
 
     def __init__(
@@ -219,10 +252,11 @@ class EngineConfig:
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         parallel: ParallelConfig | None = None,
+        inputs: InputConfig | None = None,
         speculative: SpeculativeConfig | dict[str, Any] | None = None,
         **flat: Any,
     ) -> None:
-        given: dict[str, Any] = {"cache": cache, "scheduler": scheduler, "parallel": parallel}
+        given: dict[str, Any] = {"cache": cache, "scheduler": scheduler, "parallel": parallel, "inputs": inputs}
         if isinstance(model, ModelConfig):
             given["model"] = model
         else:

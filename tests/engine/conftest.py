@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.engine import LLM
+from conveyor.engine import LLM, LLMEngine
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.reference import HFReference
 
@@ -12,18 +12,18 @@ from tests.engine.reference import HFReference
 def make_llm():
     """Build LLMs; at teardown, every one of them must have no request left and all its
     KV blocks back in the free queue with no reference held (no block leaks)."""
-    built: list[LLM] = []
+    built: list[LLMEngine] = []  # the engines: a test may shut its LLM down, which lets go of it
 
     def make(model: str, **kwargs) -> LLM:
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("device", "cpu")
         llm = LLM(model, **kwargs)
-        built.append(llm)
+        built.append(llm.engine)
         return llm
 
     yield make
-    for llm in built:
-        assert_no_leaks(llm.engine)
+    for engine in built:
+        assert_no_leaks(engine)
 
 
 @pytest.fixture(scope="session")

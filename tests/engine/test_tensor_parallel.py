@@ -185,9 +185,10 @@ def test_a_draft_model_runs_whole_on_rank_0_beside_a_split_target(tiny_models, m
 
 def test_a_dead_rank_ends_generate_with_an_error(tiny_models, monkeypatch):
     llm = LLM(tiny_models("llama"), device="cpu", dtype="float32", tensor_parallel_size=2)
+    ranks = ranks_of(llm)
     try:
         engine = llm.engine
-        [pid] = ranks_of(llm).pids
+        [pid] = ranks.pids
         step, steps = engine.step, []
 
         def step_then_kill():
@@ -207,7 +208,7 @@ def test_a_dead_rank_ends_generate_with_an_error(tiny_models, monkeypatch):
             llm.generate(PROMPTS[:1], greedy([4]))
     finally:
         llm.shutdown()
-    assert not ranks_of(llm).procs[0].is_alive()
+    assert not ranks.procs[0].is_alive()
 
 
 def test_shutdown_stops_the_ranks(tiny_models):

@@ -105,11 +105,20 @@ def check_checkpoint(path: Path) -> ModelSpec:
     return spec
 
 
-def load_spec(path: Path, model_impl: str = "auto") -> tuple[ModelSpec, str]:
+def load_spec(path: Path, model_impl: str = "auto", quantization: str | None = None) -> tuple[ModelSpec, str]:
     """The checkpoint's spec and whose forward pass runs it (``native`` or ``transformers``)
     for ``model_impl`` (``EngineConfig.model_impl``). ``native`` on an architecture the
-    registry lacks raises the registry's error. A GGUF checkpoint runs natively only."""
+    registry lacks raises the registry's error. A GGUF checkpoint runs natively only.
+    ``quantization`` (``EngineConfig.quantization``), when given, must be the checkpoint's."""
     file = gguf.find_gguf(path)
+    if quantization is not None:
+        found = "gguf" if file is not None else (s.method if (s := quant_scheme(path)) is not None else None)
+        if found != quantization:
+            raise ValueError(
+                f"quantization={quantization!r}, but {path} is "
+                + (f"quantized with {found!r}" if found else "not quantized")
+                + "; Conveyor loads a checkpoint as it was quantized and never quantizes one on load"
+            )
     if file is not None:
         if model_impl == "transformers":
             raise ValueError(f"{file.name}: a GGUF checkpoint runs natively only, not with model_impl='transformers'")

@@ -87,8 +87,8 @@ class ThinkParser(ReasoningParser):
             head = head[len(start) :]
         elif opened_in_prompt or end in text:  # DeepSeek-R1's distills write no opener either
             head = text
-        else:
-            return ReasoningSplit(None, text)
+        else:  # (the newlines GLM's template puts after a block its prompt closed are not the answer's)
+            return ReasoningSplit(None, text.lstrip("\n"))
         if end not in head:  # cut short while thinking
             return ReasoningSplit(head.strip("\n") or None, "")
         thought, answer = head.split(end, 1)

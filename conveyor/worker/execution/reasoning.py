@@ -1,6 +1,13 @@
 """A worker's reasoning setup: which parser splits its model's thinking from the answer (the
 setting, or the family and chat template), what a request's reasoning controls ask of the
-engine, and how many of a sample's tokens were thinking."""
+engine, and how many of a sample's tokens were thinking.
+
+Whether a think or tool-call marker survives decoding depends on the tokenizer: an added
+token flagged ``special`` is dropped by ``skip_special_tokens``, and a parser reading the
+text would then find no marker and split nothing. So the markers are looked up in the
+tokenizer's added-token table: where any is special, the engine keeps special tokens in a chat
+sample's text and the worker takes out every special token but those markers before the
+parsers read it."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Any
 
 from conveyor.worker.batchio.reasoning_parsers import ReasoningParser, choose_parser
 from conveyor.worker.batchio.records import ParsedRequest
+from conveyor.worker.batchio.tool_parsers import MARKERS as TOOL_MARKERS
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,9 @@ class Reasoning:
     field: str = "reasoning"
     default_budget: int | None = None  # CONVEYOR_THINKING_TOKEN_BUDGET
     end_ids: tuple[int, ...] = ()  # the closing delimiter's token ids, for counting
+    # The special tokens taken out of a chat sample's text: all of them but the parsers'
+    # markers, where some marker is special (empty otherwise: the engine drops them all).
+    dropped: tuple[str, ...] = ()
 
     @classmethod
     def for_model(
@@ -38,7 +49,13 @@ class Reasoning:
         end_ids: tuple[int, ...] = ()
         if parser.delimiters is not None and tokenizer is not None:
             end_ids = tuple(tokenizer.encode(parser.delimiters[1], add_special_tokens=False))
-        return cls(parser, field, budget, end_ids)
+        dropped: tuple[str, ...] = ()
+        if tokenizer is not None and not parser.keeps_special_tokens:
+            specials = _special_tokens(tokenizer)
+            markers = {*(parser.delimiters or ()), *TOOL_MARKERS}
+            if markers & specials:
+                dropped = tuple(sorted(specials - markers, key=len, reverse=True))
+        return cls(parser, field, budget, end_ids, dropped)
 
     def template_kwargs(self, req: ParsedRequest) -> dict[str, Any] | None:
         """The chat template's variables for ``req`` (``InvalidRequest`` for an effort the
@@ -53,7 +70,11 @@ class Reasoning:
         else the worker's default), the thinking delimiters when a budget or an answer grammar
         needs the engine to see the thinking, and the special tokens the parser reads."""
         extra: dict[str, Any] = {}
-        if self.parser.delimiters is None or req.prompt is not None:
+        if req.prompt is not None:
+            return extra
+        if self.dropped:
+            extra["skip_special_tokens"] = False
+        if self.parser.delimiters is None:
             return extra
         budget = req.sampling.get("thinking_token_budget", self.default_budget)
         if budget is not None:
@@ -63,6 +84,13 @@ class Reasoning:
         if self.parser.keeps_special_tokens:
             extra["skip_special_tokens"] = False
         return extra
+
+    def visible(self, text: str) -> str:
+        """A chat sample's text as the parsers read it: the special tokens that are not markers
+        taken out (the engine kept them all: see ``sampling``)."""
+        for token in self.dropped:
+            text = text.replace(token, "")
+        return text
 
     def reasoning_tokens(self, token_ids: Sequence[int], reasoning: str | None) -> int:
         """How many of a sample's tokens were thinking: those before its closing delimiter;
@@ -77,6 +105,15 @@ class Reasoning:
 
 
 NO_REASONING = Reasoning(ReasoningParser())
+
+
+def _special_tokens(tokenizer: Any) -> set[str]:
+    """The texts of the tokens ``skip_special_tokens`` drops: the named special tokens and every
+    added token flagged special."""
+    specials = {t for t in getattr(tokenizer, "all_special_tokens", ()) if isinstance(t, str)}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials.update(t.content for t in added.values() if getattr(t, "special", False))
+    return specials
 
 
 def reasoning_of(host: Any, settings: Any) -> Reasoning:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from conveyor.engine.config import MODEL_IMPLS
-from conveyor.worker.entrypoints import cli, local_runner
+from conveyor.worker.entrypoints import cli, engine_flags, local_runner
 from conveyor.worker.execution.context import WorkerContext, engine_config
 
 
@@ -62,7 +62,7 @@ def test_without_the_flag_the_environment_decides(engine_args_env, monkeypatch):
 
 
 def test_the_choices_are_the_engines_and_a_wrong_one_is_refused(capsys):
-    assert cli.MODEL_IMPLS == MODEL_IMPLS
+    assert engine_flags.MODEL_IMPLS == MODEL_IMPLS
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["worker", "--model", "m", "--model-impl", "jax"])
     assert "--model-impl: invalid choice: 'jax'" in capsys.readouterr().err

@@ -35,10 +35,11 @@ def test_without_the_flag_the_engine_args_decide(engine_config_seen, monkeypatch
     assert engine_config_seen["config"].tensor_parallel_size == 3
 
 
-def test_a_bad_size_is_refused_by_the_parser(capsys) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["worker", "--model", "org/model", "--tensor-parallel-size", "0"])
-    assert "--tensor-parallel-size: expected an integer of at least 1, got 0" in capsys.readouterr().err
+def test_a_bad_size_is_refused_by_the_engines_check_naming_the_flag(engine_config_seen, capsys) -> None:
+    assert cli.main(["worker", "--model", "org/model", "--tensor-parallel-size", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "conveyor: error: --tensor-parallel-size 0: tensor_parallel_size must be a positive integer, got 0" in err
+    assert "config" not in engine_config_seen  # refused before the worker's context
 
 
 def test_cpu_threads_setting_and_flag_reach_the_engine(engine_config_seen, monkeypatch) -> None:
