@@ -94,21 +94,31 @@ def _submit_files_api(dep: ChaosDeployment, path: Path) -> str:
     return batch.id
 
 
-def trivial_model() -> Path:
+def trivial_model(hidden_size: int = 32, num_layers: int = 1) -> Path:
     """One layer of width 32: a step of 128 short prompts costs the engine about a millisecond,
     so what is measured is the job path (intake, leases, tokenizing, item writes, parts,
     finalisation), not matrix products. (The 4-layer bench model made the engine 60% of a
     worker's CPU at 20,000 lines.)"""
+    name = (
+        "conveyor-trivial-llama"
+        if (hidden_size, num_layers) == (32, 1)
+        else f"conveyor-llama-{hidden_size}x{num_layers}"
+    )
     return bench_model(
-        "conveyor-trivial-llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
+        name,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=2 * hidden_size,
     )
 
 
-def one_run(model: str, lines: int, workers: int, door: str, shard_size: int) -> dict[str, Any]:
+def one_run(model: str, lines: int, workers: int, door: str, shard_size: int, concurrency: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="conveyor-million-") as tmp:
         workdir = Path(tmp)
         dep = ChaosDeployment(
-            workdir, model, max_workers=workers, concurrency=2,
+            workdir, model, max_workers=workers, concurrency=concurrency,
             engine_args={"num_kv_blocks": 1024, "max_num_seqs": 128},
             lease_seconds=30.0, heartbeat_seconds=5.0, sweep_interval_seconds=10.0,
             shard_size=shard_size,  # the Files API door's (the deployment's default); the CLI passes its own
@@ -193,12 +203,15 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
     parser.add_argument("--door", choices=("cli", "files"), default="cli")
     parser.add_argument("--shard-size", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=2, help="shard places per worker")
+    parser.add_argument("--hidden-size", type=int, default=32)
+    parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--out", default="million.json")
     args = parser.parse_args()
-    model = str(trivial_model())
+    model = str(trivial_model(args.hidden_size, args.num_layers))
     runs = []
     for workers in (int(w) for w in args.workers.split(",")):
-        run = one_run(model, args.lines, workers, args.door, args.shard_size)
+        run = one_run(model, args.lines, workers, args.door, args.shard_size, args.concurrency)
         print(json.dumps(run))
         runs.append(run)
     write_results(args.out, {"args": vars(args), "runs": runs, "note": "a shared 2-core machine"})

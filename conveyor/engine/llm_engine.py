@@ -8,16 +8,16 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from conveyor.engine.attention.triton_backend import prepare_interpreter
-from conveyor.engine.chat_kwargs import check_template_kwargs
 from conveyor.engine.chunk_budget import make_chunk_controller
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget
 from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.inputs.processor import InputProcessor, PreparedInput, Prompt
 from conveyor.engine.kv_cache import window_release
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models.bert import encoder_engine_config
@@ -31,17 +31,13 @@ from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
 from conveyor.engine.startup import StartupTimings, sync
 from conveyor.engine.state_memory import make_request_memory
-from conveyor.engine.structured_outputs import StructuredOutputManager, check_tools
-from conveyor.engine.text_checks import check_text, check_texts
+from conveyor.engine.structured_outputs import StructuredOutputManager
 from conveyor.engine.thinking import gate_for
 from conveyor.engine.thread_tuner import ThreadTuner
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
-MAX_CHAT_MESSAGES = 1024
-
-Prompt = str | list[int] | dict[str, Any]
 T = TypeVar("T")
 
 
@@ -89,7 +85,7 @@ class LLMEngine:
             # it while the tokenizer loads below: off CUDA, choose now or the kernels cannot run.
             prepare_interpreter(config.resolve_device())
         model_path = resolve_model_path(config.model.model, config.model.revision)
-        self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl)
+        self.model_spec, self.model_impl = load_spec(model_path, config.model.model_impl, config.model.quantization)
         # An encoder runs each input whole, with no KV cache (``conveyor.engine.models.bert``).
         self.config = config = encoder_engine_config(config, self.model_spec)
         tok_path = (
@@ -148,9 +144,22 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = self.model_spec.vocab_size
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, compile_budget_s=config.inputs.grammar_compile_seconds
+        )
         self.runner.sampler.structured = self.structured
         self.embedding = embedding_support(model_path, self.model_spec, config)
+        chunked = config.scheduler.enable_chunked_prefill
+        no_chunks = "" if chunked else ", max_num_batched_tokens without chunked prefill"
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_request_tokens,
+            f"max_model_len {max_len}, KV cache {self.runner.num_blocks * self.kv.block_size} tokens{no_chunks}",
+            self.structured,
+            self.embedding,
+            tokenize_seconds=config.inputs.tokenize_seconds,
+        )
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -167,7 +176,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: Prompt,
+        prompt: Prompt | PreparedInput,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -175,6 +184,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming what is wrong with bad input.
+        ``prompt`` may be a ``PreparedInput`` (``prepare_input``'s, done on another thread):
+        then nothing per request is left to do here but make its sequences.
 
         ``priority`` (lower first) orders the queue under the ``priority`` policy; ``deadline``
         (wall-clock epoch seconds, ``time.time()``'s clock) under ``edf``, and breaks ties
@@ -183,35 +194,20 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params, pooling = self.embedding.request(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if deadline is not None:
             if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
                 raise ValueError(f"deadline must be a finite number of epoch seconds, got {deadline!r}")
             deadline = float(deadline)
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
-            raise ValueError(
-                f"logit_bias token id {bad[0]} is not in the vocabulary [0, {self.vocab_size})"
-                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
-            )
-        ids, text = self.tokenize(prompt)
-        if len(ids) >= self.max_request_tokens:
-            budget = (
-                ""
-                if self.config.scheduler.enable_chunked_prefill
-                else ", max_num_batched_tokens without chunked prefill"
-            )
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; this engine takes at most {self.max_request_tokens - 1} "
-                f"(max_model_len {self.max_model_len}, KV cache {self.runner.num_blocks * self.kv.block_size} "
-                f"tokens{budget}) to leave room for one generated token"
-            )
-        new_matcher = self.structured.matchers_for(params.structured_outputs)
+        if isinstance(prompt, PreparedInput):
+            if params is not None and params is not prompt.source_params:
+                raise ValueError("a PreparedInput runs with the params it was prepared for")
+            prepared = prompt
+        else:
+            prepared = self.inputs.prepare(prompt, params if params is not None else SamplingParams())
+        params, ids, text, pooling = prepared.params, prepared.token_ids, prepared.text, prepared.pooling
+        compiled = prepared.grammar
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
@@ -243,7 +239,9 @@ class LLMEngine:
                         else None
                     ),
                     prompt_text=text,
-                    grammar=gate_for(params, ids, new_matcher(), self._encode_delimiter),
+                    grammar=gate_for(
+                        params, ids, compiled.matcher() if compiled is not None else None, self.inputs.encode_delimiter
+                    ),
                     pooling=pooling,
                 )
             )
@@ -251,70 +249,11 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
 
-    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        """Token ids (and the text, when there is one) of a prompt in any accepted form."""
-        if isinstance(prompt, dict):
-            keys = set(prompt) & {"prompt", "prompt_token_ids", "messages"}
-            if len(keys) != 1:
-                raise ValueError("a dict prompt needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
-            key = keys.pop()
-            tools = prompt.get("tools")
-            if (tools is not None or "chat_template_kwargs" in prompt) and key != "messages":
-                raise ValueError("tools and chat_template_kwargs go with messages (the chat template renders them)")
-            if key == "messages":
-                text = self._apply_chat_template(prompt["messages"], tools, prompt.get("chat_template_kwargs"))
-                return self._encode(text, "messages", add_special_tokens=False), text
-            prompt = prompt[key]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            check_text(prompt, "prompt")
-            return self._encode(prompt, "prompt", add_special_tokens=True), prompt
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt_token_ids is empty")
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
-            return list(prompt), None
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
-        try:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except Exception as exc:  # tokenizers raise several types; one request's problem, not the batch's
-            raise ValueError(f"the tokenizer cannot encode the {field}: {type(exc).__name__}: {exc}") from None
-        if not ids:
-            raise ValueError(f"the {field} encodes to no tokens")
-        return ids
-
-    def _encode_delimiter(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _apply_chat_template(self, messages: Any, tools: Any = None, kwargs: Any = None) -> str:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise ValueError(f"messages has {len(messages)} entries; at most {MAX_CHAT_MESSAGES}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            content = m.get("content")
-            if not isinstance(content, (str, list)) and content is not None:
-                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
-            check_texts(m, f"messages[{i}]")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        checked: list[Any] | None = check_tools(tools) if tools else None
-        extra = check_template_kwargs(kwargs)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=checked, tokenize=False, add_generation_prompt=True, **extra
-            )
-        except Exception as exc:  # template errors come in many types
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
-        assert isinstance(text, str)  # tokenize=False: the rendered text
-        return text
+    def prepare_input(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedInput:
+        """``prompt`` tokenised (its chat template applied) and its grammar compiled, for
+        ``add_request``: thread-safe, so an input stage may run it beside the loop.
+        ``ValueError`` (``InputRejected`` with its code) naming what is wrong."""
+        return self.inputs.prepare(prompt, params if params is not None else SamplingParams())
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -423,6 +362,7 @@ class LLMEngine:
         """Stop the processes this engine started (tensor-parallel ranks); it runs no step after.
         Also done when the engine is garbage-collected or the process exits."""
         self.runner.shutdown()
+        self.structured.close()
 
     # ---- observability ------------------------------------------------------------------
     def stats(self) -> EngineStats:

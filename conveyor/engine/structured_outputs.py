@@ -20,13 +20,15 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
+from conveyor.engine.inputs.errors import InputRejected
+from conveyor.engine.inputs.grammar_probe import GrammarProbe
 from conveyor.engine.text_checks import check_text
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ GRAMMAR_CACHE_SIZE = 256
 PARALLEL_MASK_MIN_ROWS = 4
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The kinds whose compile time a request controls (a choice's and json_object's are bounded):
+# compiled first under the budget, in the probe's child process.
+_PROBED_KINDS = frozenset({"json", "regex", "grammar"})
 # JSON output is compact: with free whitespace a weak model can pad a value forever.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
@@ -260,13 +265,23 @@ class StructuredOutputManager:
     ``vocab_size`` is the width of the model's logits, which may be larger than the
     tokenizer's vocabulary (padded embeddings): those extra ids are never allowed."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        cache_size: int = 0,
+        compile_budget_s: float | None = None,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._cache_size = cache_size or GRAMMAR_CACHE_SIZE
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | InputRejected] = OrderedDict()
         self._lock = threading.Lock()
+        # None: grammars compile in this process with no time limit (no child process).
+        self.compile_budget_s = compile_budget_s
+        self._probe: GrammarProbe | None = None
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._shifts: dict[torch.device, torch.Tensor] = {}
@@ -276,28 +291,39 @@ class StructuredOutputManager:
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use (about a second for a 150k vocabulary)."""
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+        with self._lock:  # input threads compile at once: build it once
+            if self._ll_tokenizer is None:
+                import llguidance.hf
 
-            tok = self._hf_tokenizer
-            n_vocab = max(self.vocab_size, len(tok))
-            eos = [t for t in self._eos if t < n_vocab] or None
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos)
-            except ValueError as exc:  # a slow (Python) tokenizer
-                raise ValueError(f"structured outputs need a fast tokenizer: {exc}") from None
-        return self._ll_tokenizer
+                n_vocab, eos = self._vocab_and_eos()
+                try:
+                    tok = self._hf_tokenizer
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=n_vocab, eos_token=eos)
+                except ValueError as exc:  # a slow (Python) tokenizer
+                    raise ValueError(f"structured outputs need a fast tokenizer: {exc}") from None
+            return self._ll_tokenizer
 
-    def matchers_for(self, so: StructuredOutputs | dict[str, Any] | None) -> Callable[[], GrammarMatcher | None]:
-        """A new matcher per sample of a request with ``so`` (compiled now: ``ValueError`` if it
-        cannot be), or None per sample of a request without structured outputs."""
-        if not so:
-            return lambda: None
-        return self.compile(so).matcher
+    def _vocab_and_eos(self) -> tuple[int, list[int] | None]:
+        n_vocab = max(self.vocab_size, len(self._hf_tokenizer))
+        return n_vocab, [t for t in self._eos if t < n_vocab] or None
+
+    @property
+    def probe(self) -> GrammarProbe:
+        with self._lock:
+            if self._probe is None:
+                n_vocab, eos = self._vocab_and_eos()
+                self._probe = GrammarProbe(self._hf_tokenizer, n_vocab, eos)
+            return self._probe
+
+    def close(self) -> None:
+        """Stop the probe's child processes (the engine is shutting down)."""
+        if self._probe is not None:
+            self._probe.close()
 
     def compile(self, so: StructuredOutputs | dict[str, Any]) -> CompiledGrammar:
-        """The compiled grammar of ``so`` (cached); ``ValueError`` with the library's reason if
-        it cannot be compiled (that is cached too: a million bad lines fail fast)."""
+        """The compiled grammar of ``so`` (cached); ``InputRejected`` with the library's reason
+        if it cannot be compiled, or ``grammar_too_complex`` past the compile budget (both
+        cached too: a million bad lines fail fast)."""
         so = StructuredOutputs.coerce(so) or StructuredOutputs(json_object=True)
         key = so.key
         with self._lock:
@@ -312,11 +338,11 @@ class StructuredOutputManager:
                 self._cache[key] = hit
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        if isinstance(hit, str):
-            raise ValueError(hit)
+        if isinstance(hit, InputRejected):
+            raise InputRejected(str(hit), hit.code)
         return hit
 
-    def _compile(self, key: tuple[str, str]) -> CompiledGrammar | str:
+    def _compile(self, key: tuple[str, str]) -> CompiledGrammar | InputRejected:
         import llguidance
 
         kind = key[0]
@@ -324,13 +350,23 @@ class StructuredOutputManager:
         try:
             grammar = grammar_text(key)
         except (ValueError, TypeError, RuntimeError) as exc:
-            return f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(exc)}"
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
-        if is_error:
-            return f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(messages[0])}"
+            return InputRejected(f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(exc)}")
+        budget = self.compile_budget_s
+        if budget is not None and kind in _PROBED_KINDS:
+            try:
+                error = self.probe.check(grammar, budget, f"structured_outputs.{kind}")
+            except InputRejected as exc:
+                return exc
+        else:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+            error = messages[0] if is_error else None
+        if error is not None:
+            return InputRejected(f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(error)}")
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(matcher.get_error())}"
+            return InputRejected(
+                f"structured_outputs.{kind}: cannot compile this {what}: {_first_line(matcher.get_error())}"
+            )
         return CompiledGrammar(matcher)
 
     def cache_len(self) -> int:

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conveyor.worker.core.storable_text import UnstorableText
 from conveyor.worker.jobs.files import FileNotFound
 from conveyor.worker.jobs.lifecycle import JobNotFound
 from conveyor.worker.jobs.object_keys import InvalidJobId
@@ -110,6 +111,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         return response(ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
+    async def on_unstorable(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, UnstorableText)
+        return response(bad_request(str(exc), param=exc.field, code="invalid_value"))
+
     async def on_not_found(_: Request, exc: Exception) -> JSONResponse:
         return response(not_found(str(exc)))
 
@@ -126,6 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(ValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(UnstorableText, on_unstorable)
     for missing in (FileNotFound, JobNotFound, InvalidJobId):
         app.add_exception_handler(missing, on_not_found)
     for down in (StorageUnavailable, OperationalError):

@@ -6,27 +6,29 @@ message giving the limit, the usage and what was asked (the ``openai`` SDK raise
 Files: before the body is read (the files count, and the bytes already stored plus the
 declared length), then again before the upload is recorded, with its real size (nothing is
 kept past a quota). Batches: before the job is recorded, with the file's lines and tokens.
-One owner's checks and the writes they allow take turns (``OwnerLocks``)."""
+The check and the write it allows run in one transaction holding the owner's turn in the
+database, so API replicas take one owner's requests one at a time; within this app they
+queue first on the app's ``OwnerLocks``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TypeVar
 
+from sqlalchemy.engine import Connection
 from starlette.requests import Request
 
 from conveyor.worker.api.errors import ApiError
 from conveyor.worker.api.services import ApiServices
 from conveyor.worker.api.uploads import MULTIPART_OVERHEAD
-from conveyor.worker.batchio.batch_scan import BatchScan
 from conveyor.worker.jobs.files import FileUpload
 from conveyor.worker.jobs.quotas import (
-    OwnerLocks,
+    Charge,
     QuotaExceeded,
     Quotas,
-    check_batch,
+    check_batch_turn,
     check_store,
-    queued_work,
+    check_store_turn,
     stored_usage,
 )
 
@@ -34,55 +36,58 @@ T = TypeVar("T")
 
 RATE_LIMITED = "rate_limit_exceeded"
 
-_LOCKS = OwnerLocks()
+# A check to run in the transaction that writes what it allows (``create_job``'s, ``commit``'s).
+Check = Callable[[Connection], None]
 
 
 def quota_error(exc: QuotaExceeded) -> ApiError:
     return ApiError(429, str(exc), param=exc.limit, code=RATE_LIMITED)
 
 
-def _holding(owner: str | None, fn: Callable[[], T]) -> T:
-    _LOCKS.acquire(owner)
+def _holding(services: ApiServices, owner: str | None, fn: Callable[[], T]) -> T:
+    services.owner_locks.acquire(owner)
     try:
         return fn()
     except QuotaExceeded as exc:
         raise quota_error(exc) from None
     finally:
-        _LOCKS.release(owner)
+        services.owner_locks.release(owner)
 
 
 def check_upload_start(services: ApiServices, owner: str | None, declared_bytes: int) -> None:
-    """429 if one more file (of at least ``declared_bytes``) would pass the owner's quotas."""
-    quotas = Quotas.from_settings(services.settings)
-    _holding(owner, lambda: check_store(quotas, stored_usage(services.db, owner), new_bytes=declared_bytes))
-
-
-def commit_within_quota(services: ApiServices, owner: str | None, upload: FileUpload, commit: Callable[[], T]) -> T:
-    """``commit()`` the upload if the owner's files and bytes allow it; else abort it, 429."""
+    """429 if one more file (of at least ``declared_bytes``) would pass the owner's quotas: an
+    early answer before the body is read (the binding check comes with the commit)."""
     quotas = Quotas.from_settings(services.settings)
 
-    def checked() -> T:
-        try:
-            check_store(quotas, stored_usage(services.db, owner), new_bytes=upload.bytes)
-        except QuotaExceeded:
-            upload.abort()
-            raise
-        return commit()
+    def check() -> None:
+        with services.db.connect() as conn:
+            check_store(quotas, stored_usage(conn, owner), new_bytes=declared_bytes)
 
-    return _holding(owner, checked)
+    _holding(services, owner, check)
 
 
-def create_within_quota(services: ApiServices, owner: str | None, scan: BatchScan, create: Callable[[], T]) -> T:
-    """``create()`` the batch of ``scan``'s lines if the owner's quotas allow it; else 429."""
-    settings = services.settings
-    quotas = Quotas.from_settings(settings)
+def commit_within_quota(
+    services: ApiServices, owner: str | None, upload: FileUpload, commit: Callable[[Check], T]
+) -> T:
+    """``commit(check)`` the upload, ``check`` refusing it (nothing kept) past the owner's
+    files and bytes; 429 then."""
+    quotas = Quotas.from_settings(services.settings)
 
-    def checked() -> T:
-        work = queued_work(services.db, owner, settings.default_max_tokens)
-        check_batch(quotas, work, scan, settings.default_max_tokens)
-        return create()
+    def check(conn: Connection) -> None:
+        check_store_turn(conn, owner, quotas, upload.bytes)
 
-    return _holding(owner, checked)
+    return _holding(services, owner, lambda: commit(check))
+
+
+def create_within_quota(services: ApiServices, owner: str | None, charge: Charge, create: Callable[[Check], T]) -> T:
+    """``create(check)`` the batch of ``charge``, ``check`` refusing it past the owner's quotas; 429 then."""
+    quotas = Quotas.from_settings(services.settings)
+    default_max_tokens = services.settings.default_max_tokens
+
+    def check(conn: Connection) -> None:
+        check_batch_turn(conn, owner, quotas, charge, default_max_tokens)
+
+    return _holding(services, owner, lambda: create(check))
 
 
 def declared_length(request: Request) -> int:

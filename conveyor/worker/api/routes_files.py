@@ -79,12 +79,13 @@ async def create_file(request: Request, owner: Caller, services: Services) -> di
                 services,
                 owner.id,
                 upload,
-                lambda: upload.commit(
+                lambda check: upload.commit(
                     services.db,
                     owner=owner.id,
                     purpose=form.purpose,
                     filename=form.filename,
                     expires_after=form.expires_after,
+                    check=check,
                 ),
             )
     finally:

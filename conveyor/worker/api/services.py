@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from conveyor.worker.broker.config import celery_app
 from conveyor.worker.broker.queues import DEFAULT_QUEUE
 from conveyor.worker.core.settings import Settings
+from conveyor.worker.jobs.quotas import OwnerLocks
 from conveyor.worker.store.api_keys import KeyVerifier
 from conveyor.worker.store.database import create_db_engine
 from conveyor.worker.store.objects.base import ObjectStore
@@ -36,6 +37,7 @@ class ApiServices:
     verifier: KeyVerifier = field(init=False)
     uploads: asyncio.Semaphore = field(init=False)
     uploads_by_owner: dict[str | None, int] = field(default_factory=dict)  # uploads streaming now, per key
+    owner_locks: OwnerLocks = field(default_factory=OwnerLocks)  # one owner's quota checks queue here
     _broker: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

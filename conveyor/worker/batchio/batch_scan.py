@@ -1,7 +1,8 @@
 """What an uploaded batch file holds, learnt while it streams in, in bounded memory.
 
 ``BatchScanner`` is fed the upload's bytes as they arrive (any chunking) and keeps one
-partial line at most (a line over ``max_line_bytes`` is counted and skipped, never held). It
+partial line at most (a line over ``max_line_bytes`` is counted and skipped, never held); it
+reads lines exactly as intake does, through the same reader. It
 records what ``POST /v1/batches`` needs to answer at once, without reading the file again:
 how many requests it holds, the distinct ``body.model`` values and ``url`` values (a few of
 each: a file with more mixes them anyway), and how many lines are not a JSON object.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.worker.batchio.json_values import loads
+from conveyor.worker.batchio.line_reader import LineSplitter, jsonl_lines
 
 MAX_MODELS = 8  # distinct body.model values kept
 MAX_URLS = 8  # distinct url values kept
@@ -40,7 +42,8 @@ class BatchScan:
     too_long: int = 0  # lines over the line limit (skipped here; a line error at intake)
     # The output the lines ask for, ``n x max_tokens`` summed over the lines that name a
     # ``max_tokens`` (or ``max_completion_tokens``); the lines that name none are counted in
-    # ``default_token_samples`` (their ``n`` summed), to be charged the deployment's default.
+    # ``default_token_samples`` (their ``n`` summed), to be charged the deployment's default,
+    # and so is every line without a body (not JSON, too long, a plain row), once.
     requested_tokens: int = 0
     default_token_samples: int = 0
 
@@ -75,82 +78,48 @@ class BatchScan:
 
 
 class BatchScanner:
-    """Feed bytes with ``feed``; ``finish`` gives the ``BatchScan``."""
+    """Feed bytes with ``feed``; ``finish`` gives the ``BatchScan``. Lines are split and
+    judged blank, too long or BOM'd by the reader intake uses
+    (``conveyor.worker.batchio.line_reader``), so the scan counts the lines intake runs."""
 
     def __init__(self, max_line_bytes: int) -> None:
-        self.max_line_bytes = max_line_bytes
         self.scan = BatchScan()
-        self._partial = bytearray()
-        self._skipping = False  # inside a line that was too long
-        self._line_no = 0
+        self._splitter = LineSplitter(max_line_bytes)
 
     def feed(self, data: bytes) -> None:
-        start, size = 0, len(data)
-        while start < size:
-            end = data.find(b"\n", start)
-            if end < 0:
-                self._append(data, start, size)
-                return
-            if not self._partial and not self._skipping:  # a whole line in this chunk
-                self._line_no += 1
-                self._line(data[start:end])
-            else:
-                self._append(data, start, end)
-                self._end_line()
-            start = end + 1
+        for line_no, raw in jsonl_lines(self._splitter.feed(data)):
+            self._line(line_no, raw)
 
     def finish(self) -> BatchScan:
-        if self._partial or self._skipping:  # a last line without a newline
-            self._end_line()
+        for line_no, raw in jsonl_lines(self._splitter.finish()):
+            self._line(line_no, raw)
         return self.scan
 
-    def _append(self, data: bytes, start: int, end: int) -> None:
-        if self._skipping or start == end:
-            return
-        if len(self._partial) + (end - start) > self.max_line_bytes + 1:  # (+1: room for a "\r")
-            self._partial.clear()
-            self._skipping = True
-            return
-        self._partial += data[start:end]
-
-    def _end_line(self) -> None:
-        self._line_no += 1
-        if self._skipping:
-            self._skipping = False
-            self.scan.too_long += 1
-            self.scan.lines += 1
-            return
-        raw = bytes(self._partial)
-        self._partial.clear()
-        self._line(raw)
-
-    def _line(self, raw: bytes) -> None:
-        if len(raw) > self.max_line_bytes and len(raw.rstrip(b"\r")) > self.max_line_bytes:
-            self.scan.too_long += 1
-            self.scan.lines += 1
-            return
-        text = raw.strip()
-        if not text:
-            return
+    def _line(self, line_no: int, raw: bytes | None) -> None:
         scan = self.scan
         scan.lines += 1
-        obj = _parse(text)
+        obj = None if raw is None else _parse(raw.strip())
+        body = obj.get("body") if isinstance(obj, dict) else None
+        if isinstance(body, dict):
+            self._count_tokens(body)
+        else:  # charged too, whatever intake makes of it: no line runs uncharged
+            scan.default_token_samples += 1
+        if raw is None:
+            scan.too_long += 1
+            return
         if not isinstance(obj, dict):
             scan.not_json += 1
             if scan.first_not_json_line is None:
-                scan.first_not_json_line = self._line_no
+                scan.first_not_json_line = line_no
             return
         url = obj.get("url")
         if isinstance(url, str):
             scan.more_urls = _add(scan.urls, url, MAX_URLS) or scan.more_urls
-        body = obj.get("body")
         model = body.get("model") if isinstance(body, dict) else None
         if isinstance(model, str) and model:
             scan.more_models = _add(scan.models, model, MAX_MODELS) or scan.more_models
         else:
             scan.without_model += 1
-        if isinstance(body, dict):
-            self._count_tokens(body)
 
     def _count_tokens(self, body: dict[str, Any]) -> None:
         n = _count(body.get("n"), MAX_N) or 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from conveyor.worker.batchio.line_reader import ByteStream, too_big, too_many
@@ -55,14 +56,38 @@ def _record(
     return record_from_object(obj, row, limits, options)
 
 
-def iter_parquet(
-    stream: ByteStream, limits: InputLimits, options: RequestOptions | None = None
-) -> Iterator[ParsedRequest | LineError]:
-    options = options or RequestOptions()
+def check_columns(names: list[str]) -> None:
+    """``InputError`` unless the file's columns include one a request is read from."""
+    columns = [name.lower() for name in names]
+    if not {"prompt", "messages", "input"} & set(columns):
+        raise InputError(
+            f"the Parquet file has no 'prompt', 'messages' or 'input' column (columns: {', '.join(columns)})"
+        )
+
+
+def check_header(path: Path) -> None:
+    """The columns of the Parquet file at ``path``, checked from its footer alone (no row is read)."""
+    pq = _pyarrow_parquet()
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+    except Exception as exc:
+        raise InputError(f"cannot read the Parquet file: {exc}") from None
+    check_columns(names)
+
+
+def _pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise InputError("Parquet input needs pyarrow: pip install 'conveyor[parquet]'") from None
+    return pq
+
+
+def iter_parquet(
+    stream: ByteStream, limits: InputLimits, options: RequestOptions | None = None
+) -> Iterator[ParsedRequest | LineError]:
+    options = options or RequestOptions()
+    pq = _pyarrow_parquet()
     # Parquet keeps its schema at the end of the file: spool the stream (bounded memory)
     # to read it with random access, batch by batch.
     with tempfile.SpooledTemporaryFile(max_size=_PARQUET_SPOOL_BYTES) as spool:
@@ -77,11 +102,7 @@ def iter_parquet(
             parquet = pq.ParquetFile(spool)
         except Exception as exc:
             raise InputError(f"cannot read the Parquet file: {exc}") from None
-        columns = [name.lower() for name in parquet.schema_arrow.names]
-        if not {"prompt", "messages", "input"} & set(columns):
-            raise InputError(
-                f"the Parquet file has no 'prompt', 'messages' or 'input' column (columns: {', '.join(columns)})"
-            )
+        check_columns(parquet.schema_arrow.names)
         row = 0
         batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
         while True:

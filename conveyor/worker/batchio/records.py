@@ -4,21 +4,26 @@
 A record is an OpenAI Batch line (``{"custom_id", "method": "POST", "url", "body"}``; unknown
 fields are errors, as with OpenAI) or a plain dataset row (``{"prompt": ...}`` or
 ``{"messages": [...]}`` plus optional ``custom_id``/``id`` and sampling fields at the top
-level; other fields are ignored). Rows without an id get ``custom_id = "line-<n>"``.
+level; other fields are ignored). Rows without an id get ``custom_id = "line-<n>"``. A batch
+created through the HTTP API (``RequestOptions.endpoint``) takes only OpenAI Batch lines to
+its endpoint: any other line is a ``url_mismatch`` error.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.worker.batchio.anthropic_body import MESSAGES
+from conveyor.worker.batchio.anthropic_body import chat_body as messages_chat_body
 from conveyor.worker.batchio.embeddings_body import EMBEDDINGS, EmbeddingInput, parse_embeddings_body
 from conveyor.worker.batchio.request_body import (
     CHAT,
     COMPLETIONS,
-    ENDPOINTS,
+    LINE_ENDPOINTS,
     InvalidRequest,
     echo_from_body,
     parse_messages,
@@ -31,6 +36,8 @@ from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.batchio.responses_body import RESPONSES, chat_body
 from conveyor.worker.batchio.tools import ToolRequest, apply_tools
 from conveyor.worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
+
+log = logging.getLogger(__name__)
 
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 # The Responses fields a ``response`` object repeats.
@@ -67,7 +74,8 @@ class ParsedRequest:
 
     line: int  # 1-based line number in the input file (CSV: the record's first line)
     custom_id: str
-    endpoint: str  # CHAT, COMPLETIONS, EMBEDDINGS or RESPONSES (read as the chat request it amounts to)
+    # CHAT, COMPLETIONS, EMBEDDINGS, or RESPONSES or MESSAGES (read as the chat request they amount to)
+    endpoint: str
     sampling: dict[str, Any]  # SamplingParams(**sampling)
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -81,7 +89,8 @@ class ParsedRequest:
     # (the worker's reasoning parser maps it onto the template or refuses it).
     template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    # Responses: the request's fields a ``response`` object repeats (instructions, tools...).
+    # Responses: the request's fields a ``response`` object repeats (instructions, tools...);
+    # Messages: its ``stop_sequences``, which the ``Message`` tells apart from other stops.
     echoed: dict[str, Any] | None = None
     inputs: list[EmbeddingInput] | None = None  # an embeddings request's inputs, one vector each
     encoding_format: str | None = None  # ... and how its vectors are written (float, base64)
@@ -140,7 +149,7 @@ class LineError:
     line: int
     code: str  # invalid_json, invalid_request, invalid_value, unknown_parameter, unsupported,
     #            missing_prompt, duplicate_custom_id, line_too_long, invalid_encoding, invalid_csv,
-    #            invalid_row (a Parquet row pyarrow cannot convert)
+    #            invalid_row (a Parquet row pyarrow cannot convert), url_mismatch
     message: str
     custom_id: str | None = None
     param: str | None = None
@@ -181,6 +190,8 @@ def request_from_object(
     options = options or RequestOptions()
     if not isinstance(obj, dict):
         raise InvalidRequest("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
+    if options.endpoint is not None:
+        _check_batch_endpoint(obj, options.endpoint)
     if _batch_line_without_body(obj):
         raise InvalidRequest("missing_prompt", "a request needs a body with a prompt or messages", "body")
     if "body" in obj:  # OpenAI Batch line
@@ -191,9 +202,9 @@ def request_from_object(
         if obj.get("method") != "POST":
             raise InvalidRequest("invalid_value", f'method must be "POST", got {shown(obj.get("method"))}', "method")
         endpoint = obj.get("url")
-        if endpoint not in ENDPOINTS:
+        if endpoint not in LINE_ENDPOINTS:
             raise InvalidRequest(
-                "invalid_value", f"url must be one of {', '.join(ENDPOINTS)}, got {shown(endpoint)}", "url"
+                "invalid_value", f"url must be one of {', '.join(LINE_ENDPOINTS)}, got {shown(endpoint)}", "url"
             )
         body = obj["body"]
         if not isinstance(body, dict):
@@ -211,7 +222,10 @@ def request_from_object(
     if endpoint == RESPONSES:
         echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
         body = chat_body(body)
-    if endpoint in (CHAT, RESPONSES):
+    elif endpoint == MESSAGES:  # read as sent: the job's defaults use chat's names
+        body = options.body_with_defaults(messages_chat_body(obj["body"]))
+        echoed = {"stop_sequences": body["stop"]} if body.get("stop") else None
+    if endpoint in (CHAT, RESPONSES, MESSAGES):
         if "messages" not in body:
             raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
         messages = options.with_system(parse_messages(body["messages"], limits))
@@ -237,11 +251,44 @@ def request_from_object(
 def record_from_object(
     obj: Any, line: int, limits: InputLimits, options: RequestOptions | None = None
 ) -> ParsedRequest | LineError:
-    """``request_from_object``, with a rejected line as its ``LineError``."""
+    """``request_from_object``, with a rejected line as its ``LineError``: whatever its
+    validation raises, one line fails alone."""
     try:
         return request_from_object(obj, line, limits, options)
     except InvalidRequest as exc:
         return LineError(line, exc.code, exc.message, guess_custom_id(obj), exc.param)
+    except Exception as exc:  # a validator's bug or a bomb it did not foresee: this line's error
+        log.warning("line %d could not be validated: %s", line, type(exc).__name__)
+        return LineError(line, "invalid_request", unvalidated_reason(exc), guess_custom_id(obj))
+
+
+def unvalidated_reason(exc: Exception) -> str:
+    """What to tell the user about a line whose validation raised ``exc`` (the type only:
+    the exception's own text may quote internals)."""
+    if isinstance(exc, RecursionError):
+        return "the line is nested too deeply to be validated; flatten its JSON values"
+    if isinstance(exc, MemoryError):
+        return "the line is too large to be validated"
+    if isinstance(exc, UnicodeError):
+        return "the line holds text that is not valid Unicode"
+    return f"the line could not be validated ({type(exc).__name__}); please report this"
+
+
+def _check_batch_endpoint(obj: dict[str, Any], endpoint: str) -> None:
+    """An API batch's line must be an OpenAI Batch request to the batch's ``endpoint``: a plain
+    row would run as whatever it looks like (a text completion, embeddings), which the batch's
+    endpoint and its charge never allowed."""
+    url = obj.get("url")
+    if url != endpoint:
+        what = "a line without a url (a plain dataset row?)" if url is None else f"url {shown(url)}"
+        raise InvalidRequest(
+            "url_mismatch",
+            f"{what} in a batch created for endpoint {endpoint}: every line must be an OpenAI Batch request "
+            f'{{"custom_id", "method": "POST", "url": "{endpoint}", "body"}}',
+            "url",
+        )
+    if "body" not in obj:
+        raise InvalidRequest("missing_prompt", f"a request to {endpoint} needs a body", "body")
 
 
 def _batch_line_without_body(obj: dict[str, Any]) -> bool:
@@ -265,7 +312,7 @@ class OneEndpoint:
         self.line = 0
 
     def check(self, obj: Any, line: int) -> LineError | None:
-        if not isinstance(obj, dict) or "body" not in obj or obj.get("url") not in ENDPOINTS:
+        if not isinstance(obj, dict) or "body" not in obj or obj.get("url") not in LINE_ENDPOINTS:
             return None
         url = obj["url"]
         if self.url is None:

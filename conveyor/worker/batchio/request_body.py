@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from conveyor.worker.batchio import response_format as formats
+from conveyor.worker.batchio.anthropic_body import MESSAGES
 from conveyor.worker.batchio.body_errors import InvalidRequest, shown
 from conveyor.worker.batchio.embeddings_body import EMBEDDINGS
 from conveyor.worker.batchio.reasoning_parsers import REASONING_EFFORTS
@@ -25,6 +26,9 @@ from conveyor.worker.core.limits import InputLimits
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
+# What a batch line's url may name: OpenAI's endpoints and Anthropic's Messages (the Message
+# Batches door stores its requests as such lines).
+LINE_ENDPOINTS = (*ENDPOINTS, MESSAGES)
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MAX_SEED = 2**63 - 1
@@ -275,8 +279,8 @@ def echo_from_body(body: Mapping[str, Any], endpoint: str) -> bool:
 def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, Any]]:
     """Chat messages normalised to ``[{"role", "content": str}]`` (text parts joined). A tool
     conversation keeps what the template renders: an assistant's past ``tool_calls`` (their
-    arguments as JSON objects, as chat templates expect them) and a ``tool`` message's
-    ``tool_call_id``."""
+    arguments as JSON objects, as chat templates expect them), its past thinking and a ``tool``
+    message's ``tool_call_id``."""
     if not isinstance(value, list) or not value:
         raise _invalid("messages", "a non-empty list of messages", value)
     if len(value) > limits.max_messages:
@@ -307,6 +311,11 @@ def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, Any]]:
             "role": _ROLES[role],
             "content": _content(f"{where}.content", msg.get("content"), role),
         }
+        reasoning = _past_reasoning(where, msg, role)
+        if reasoning is not None:
+            # Under both names the published templates read it: ``reasoning_content`` (Qwen3,
+            # Qwen3.5, GLM-4.5, Gemma 4, SmolLM3) and ``thinking`` (gpt-oss).
+            entry["reasoning_content"] = entry["thinking"] = reasoning
         if msg.get("tool_calls"):
             if role != "assistant":
                 raise InvalidRequest(
@@ -315,6 +324,21 @@ def parse_messages(value: Any, limits: InputLimits) -> list[dict[str, Any]]:
             entry["tool_calls"] = _past_tool_calls(f"{where}.tool_calls", msg["tool_calls"], limits)
         out.append(entry)
     return out
+
+
+def _past_reasoning(where: str, msg: dict[str, Any], role: str) -> str | None:
+    """An assistant's past thinking, sent as ``reasoning_content`` (DeepSeek's and vLLM's
+    name) or ``reasoning`` (vLLM's newer one, and this worker's output field)."""
+    for name in ("reasoning_content", "reasoning"):
+        value = msg.get(name)
+        if value is None:
+            continue
+        if role != "assistant":
+            raise InvalidRequest("invalid_value", f"{where}: only assistant messages carry {name}", f"{where}.{name}")
+        if not isinstance(value, str):
+            raise _invalid(f"{where}.{name}", "a string", value)
+        return _text(f"{where}.{name}", value)
+    return None
 
 
 def _past_tool_calls(param: str, calls: Any, limits: InputLimits) -> list[dict[str, Any]]:
@@ -336,7 +360,7 @@ def _past_tool_calls(param: str, calls: Any, limits: InputLimits) -> list[dict[s
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise _invalid(f"{where}.function.arguments", "a JSON object (as text)", args) from None
         if not isinstance(args, dict):
             raise _invalid(f"{where}.function.arguments", "a JSON object", args)

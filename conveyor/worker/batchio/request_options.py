@@ -11,6 +11,9 @@ otherwise.
   with a system message of their own.
 - ``defaults``: request-body fields (``max_tokens, temperature, top_p, seed, stop, n,
   response_format``) laid under each line's own: a line's field wins.
+- ``endpoint``: set for a batch created through the HTTP API (``POST /v1/batches``): every
+  line must be an OpenAI Batch request whose ``url`` is this endpoint; a plain row or another
+  endpoint's line is that line's error, as OpenAI answers it. Not a submission field.
 
 Stored with the job (``jobs.request_options``) and applied where its input is read, so the
 queued path and ``conveyor run`` read a line the same way.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.worker.batchio.body_errors import InvalidRequest
-from conveyor.worker.batchio.request_body import COMPLETIONS, sampling_from_body
+from conveyor.worker.batchio.request_body import COMPLETIONS, LINE_ENDPOINTS, sampling_from_body
 from conveyor.worker.core.limits import InputLimits
 
 # The body fields a job may set for all its lines (the CLI's sampling flags).
@@ -41,6 +44,7 @@ class RequestOptions:
     chat: bool | None = None  # None: auto (the chat template when the model has one)
     system_prompt: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None  # an API batch's (or a Message Batch's): the one url its lines may ask for
 
     @property
     def chat_mode(self) -> str:
@@ -54,6 +58,8 @@ class RequestOptions:
         sp = self.system_prompt
         if sp is not None and (not isinstance(sp, str) or not sp.strip() or len(sp) > MAX_SYSTEM_PROMPT_CHARS):
             raise ValueError(f"system_prompt must be non-empty text of at most {MAX_SYSTEM_PROMPT_CHARS} characters")
+        if self.endpoint is not None and self.endpoint not in LINE_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(LINE_ENDPOINTS)}, got {self.endpoint!r:.80}")
         if not isinstance(self.defaults, dict):
             raise ValueError("the sampling defaults must be an object")
         unknown = sorted(set(self.defaults) - set(DEFAULT_FIELDS))
@@ -95,6 +101,8 @@ class RequestOptions:
             data["system_prompt"] = self.system_prompt
         if self.defaults:
             data["defaults"] = dict(self.defaults)
+        if self.endpoint is not None:
+            data["endpoint"] = self.endpoint
         return data
 
     @classmethod
@@ -102,7 +110,12 @@ class RequestOptions:
         if not data:
             return cls()
         chat = _CHAT_VALUES[data.get("chat") or "auto"]
-        return cls(chat=chat, system_prompt=data.get("system_prompt"), defaults=dict(data.get("defaults") or {}))
+        return cls(
+            chat=chat,
+            system_prompt=data.get("system_prompt"),
+            defaults=dict(data.get("defaults") or {}),
+            endpoint=data.get("endpoint"),
+        )
 
     @classmethod
     def from_fields(

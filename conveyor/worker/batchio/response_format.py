@@ -114,7 +114,7 @@ def structured_outputs(value: Any, limits: InputLimits) -> dict[str, Any]:
         if isinstance(v, str):
             try:
                 v = json.loads(v)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise InvalidRequest("invalid_value", f"{where} is not valid JSON", where) from None
         return {"json": check_schema(where, v, limits)}
     if kind == "json_object":

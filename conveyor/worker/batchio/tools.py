@@ -204,7 +204,7 @@ def answer(tools: ToolRequest, text: str, finish_reason: str | None, call_id: Ca
             calls = [(c["name"], _json(c["arguments"])) for c in items if isinstance(c, dict) and "name" in c]
             content = None
     elif tools.choice == AUTO:
-        content, calls = parse_tool_calls(text, tools.names)
+        content, calls = parse_tool_calls(text, tools.names, {name: tools.parameters(name) for name in tools.names})
     if not calls:
         return ToolAnswer(text, None, finish_reason)
     tool_calls = [

@@ -57,6 +57,7 @@ from conveyor.worker.batchio.records import InputFormat
 from conveyor.worker.batchio.request_options import OPTION_FIELDS, RequestOptions
 from conveyor.worker.core.limits import completion_window_seconds
 from conveyor.worker.core.settings import Settings
+from conveyor.worker.core.storable_text import UnstorableText, check_storable
 from conveyor.worker.jobs.catalog import not_served
 from conveyor.worker.jobs.model_names import InvalidModel, canonical_model
 from conveyor.worker.jobs.submission import HTTP_KEY_NAMESPACE, check_metadata
@@ -218,6 +219,11 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
     for name in REQUIRED:
         if kwargs.get(name) is None:
             raise refuse(f"{name} is required", name)
+    for name, value in kwargs.items():  # before any of them is looked up or stored
+        try:
+            check_storable(value, name)
+        except UnstorableText as exc:
+            raise refuse(str(exc), exc.field) from None
     assert key is not None
     values: dict[str, Any] = {}
     field = "input_uri"

@@ -49,6 +49,7 @@ from conveyor.worker.core.settings import ConfigError
 from conveyor.worker.execution.process_state import Drain, Phase, ProcessState
 from conveyor.worker.execution.snapshots import SnapshotWriter
 from conveyor.worker.jobs.expiry import expire_due_jobs
+from conveyor.worker.jobs.storage_sweep import StorageSweeper
 from conveyor.worker.jobs.sweeper import Sweeper
 from conveyor.worker.metrics.worker_metrics import WorkerMetrics
 from conveyor.worker.store.models import WorkerState
@@ -88,6 +89,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         beat = Periodic("conveyor-registry", s.heartbeat_seconds, lambda: set_worker_state(ctx.db, registry_id))
         state.background.append(beat.start())
     announcer = Announcer(app, ctx.db, s)
+    storage = StorageSweeper(ctx.db, ctx.store, grace_seconds=s.storage_grace_seconds)
 
     def expire() -> None:
         for job_id in expire_due_jobs(ctx.db, ctx.store, heartbeat_seconds=s.heartbeat_seconds):
@@ -98,6 +100,7 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         Periodic("conveyor-snapshots", s.snapshot_interval_seconds, SnapshotWriter(ctx).write_once).start(),
         Periodic("conveyor-expiry", s.sweep_interval_seconds, expire).start(),
         Periodic("conveyor-announcements", s.sweep_interval_seconds, announcer.announce_due).start(),
+        Periodic("conveyor-storage-sweep", s.sweep_interval_seconds, storage.sweep_once).start(),
         Periodic("conveyor-registry-prune", 3600.0, lambda: prune_workers(ctx.db, s.worker_retention_seconds)).start(),
     ]
     idle = s.exit_when_idle_seconds

@@ -59,6 +59,9 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
                 "disagree; set one of them"
             )
         args["cpu_threads"] = settings.cpu_threads
+    # The input budgets are the engine's fields too; CONVEYOR_ENGINE_ARGS may name them instead.
+    args.setdefault("grammar_compile_seconds", settings.grammar_compile_seconds)
+    args.setdefault("tokenize_seconds", settings.tokenize_seconds)
     known = EngineConfig.flat_field_names() - {"model"}
     unknown = sorted(set(args) - known)
     if unknown:
@@ -101,6 +104,8 @@ class WorkerContext:
     model_load: ModelLoad | None = field(default=None, repr=False)
     model_download: float | None = field(default=None, repr=False)  # seconds fetching s3:// weights
     cold_start: ColdStart | None = field(default=None, repr=False)
+    # A cancel aborts what the engine runs too, not only what waits: ``conveyor run`` on Ctrl-C.
+    abort_running_on_cancel: bool = field(default=False, repr=False)
     _host: EngineHost | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -131,7 +136,9 @@ class WorkerContext:
         if ctx.host_factory is None:
             config = engine_config(settings, ctx.checkpoint or ctx.model)  # fail now on bad engine args
             ctx.host_factory = lambda: EngineHost.from_config(
-                config.replace(model=ctx.local_checkpoint()), step_timeout=settings.step_timeout_seconds
+                config.replace(model=ctx.local_checkpoint()),
+                step_timeout=settings.step_timeout_seconds,
+                input_threads=settings.input_threads,
             )
         return ctx
 

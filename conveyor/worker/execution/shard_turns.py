@@ -24,7 +24,7 @@ import logging
 import time
 
 from conveyor.worker.execution.context import WorkerContext
-from conveyor.worker.execution.shard_runner import ShardOutcome, run_shard
+from conveyor.worker.execution.shard_runner import ShardOutcome, run_shard, shard_label
 from conveyor.worker.jobs.shard_choice import ShardChoice, job_owner, next_shard
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,13 @@ def run_next_shard(ctx: WorkerContext, job_id: str, shard_index: int) -> ShardOu
 def _run(ctx: WorkerContext, choice: ShardChoice) -> ShardOutcome:
     hit = ctx.affinity.serving(choice.group_key)
     ctx.owner_slots.take(choice.owner)
+    outcome: ShardOutcome | None = None
     try:
         outcome = run_shard(ctx, choice.job_id, choice.shard_index)
     finally:
         ctx.owner_slots.release(choice.owner)
+        gave_back = outcome is not None and outcome.yielded
+        ctx.owner_slots.end_yield(shard_label(choice.job_id, choice.shard_index), choice.owner, gave_back)
     if outcome.status != "skipped":
         ctx.affinity.ran(hit)
     return outcome

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from conveyor.worker.batchio.batch_scan import BatchScan, BatchScanner
 from conveyor.worker.core.limits import MAX_FILENAME_CHARS
+from conveyor.worker.core.storable_text import check_storable
 from conveyor.worker.store.models import Job, JobStatus, StoredFile, now
 from conveyor.worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore, ObjectWriter
 
@@ -153,14 +154,30 @@ class FileUpload:
             writer.abort()
 
     def commit(
-        self, db: Engine, *, owner: str | None, purpose: str, filename: str, expires_after: int | None = None
+        self,
+        db: Engine,
+        *,
+        owner: str | None,
+        purpose: str,
+        filename: str,
+        expires_after: int | None = None,
+        check: Callable[[Connection], None] | None = None,
     ) -> dict[str, Any]:
-        """Finish storing the bytes, then record the file; its file object."""
+        """Finish storing the bytes, then record the file; its file object. ``check`` runs in
+        the transaction that records it, first (a quota check: what it raises refuses the
+        file, and nothing is kept)."""
         if self._writer is None:
             raise ValueError("commit of a finished upload")
         writer, self._writer = self._writer, None
-        writer.close()
         scan: BatchScan | None = self._scanner.finish() if self._scanner is not None else None
+        try:
+            if scan is not None:  # what the lines named is stored with the file, and queried
+                check_storable(scan.models, "body.model")
+                check_storable(scan.urls, "url")
+        except ValueError:
+            writer.abort()
+            raise
+        writer.close()
         t = now()
         values = {
             "id": self.file_id, "owner": owner, "purpose": purpose, "filename": filename, "bytes": self.bytes,
@@ -170,6 +187,8 @@ class FileUpload:
         }  # fmt: skip
         try:
             with db.begin() as conn:
+                if check is not None:
+                    check(conn)
                 conn.execute(insert(StoredFile).values(**values))
         except BaseException:
             self._store.delete(self.key)
@@ -233,6 +252,7 @@ def list_files(
     if order not in ("asc", "desc"):
         raise ValueError(f"order must be 'asc' or 'desc', got {order!r:.40}")
     desc = order == "desc"
+    check_storable(purpose, "purpose")
     stmt = select(StoredFile).where(_owned_by(owner), _live(now()))
     if purpose is not None:
         stmt = stmt.where(StoredFile.purpose == purpose)

@@ -49,6 +49,7 @@ class Grouping:
 class IntakeResult:
     total: int = 0  # every non-blank input line
     invalid: int = 0  # lines rejected at validation
+    tokens: int = 0  # the output the valid lines may ask for: n x max_tokens summed
     shards: list[ShardPlan] = field(default_factory=list)
     endpoint: str | None = None  # the first valid request's (the job's endpoint)
     prefix: PrefixEstimate | None = None  # grouped: the intake's estimate of shared prefix
@@ -184,6 +185,9 @@ def ingest(
                 else:
                     if result.endpoint is None:
                         result.endpoint = entry.endpoint
+                    result.tokens += entry.sampling.get("n", 1) * entry.sampling.get(
+                        "max_tokens", limits.default_max_tokens
+                    )
                     (shards if grouped is None else grouped).add(entry)
             if grouped is not None:
                 result.prefix = grouped.write(shards, shard_size)

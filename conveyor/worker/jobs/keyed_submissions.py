@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from conveyor.worker.batchio.request_body import CHAT
 from conveyor.worker.core.settings import Settings
+from conveyor.worker.core.storable_text import storable
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.lifecycle import get_job
 from conveyor.worker.jobs.submission import check_metadata
@@ -59,11 +60,12 @@ def record_refusal(
         with db.begin() as conn:
             conn.execute(
                 insert(Job).values(
-                    id=job_id, status=JobStatus.failed, model=_storable(model)[:MODEL_LEN],
+                    id=job_id, status=JobStatus.failed, model=storable(model)[:MODEL_LEN],
                     priority=0, endpoint=CHAT, shard_size=settings.shard_size, meta=meta,
                     completion_window=settings.completion_window, created_at=t, updated_at=t, failed_at=t,
                     expires_at=None, idempotency_key=idempotency_key, notify=notify,
-                    errors=[{"code": code, "message": _storable(message), "param": param and _storable(param),
+                    charged_lines=0, charged_tokens=0,
+                    errors=[{"code": code, "message": storable(message), "param": param and storable(param),
                              "line": None}],
                 )
             )  # fmt: skip
@@ -73,8 +75,3 @@ def record_refusal(
             raise
         return existing, False  # a duplicate won the race
     return get_job(db, job_id), True
-
-
-def _storable(text: Any) -> str:
-    """``text`` as PostgreSQL stores it (no NUL: a refusal that named one must still be recorded)."""
-    return text.replace("\x00", "\ufffd") if isinstance(text, str) else ""

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from conveyor.worker.core.catalog import HUB_ID as _HUB_ID
+from conveyor.worker.core.storable_text import check_storable
 from conveyor.worker.store.model_cache import canonical_model_uri, is_model_uri
 from conveyor.worker.store.models import MODEL_LEN
 
@@ -31,6 +32,7 @@ def canonical_model(model: str) -> str:
     ``s3://bucket/prefix`` URI -> itself with one trailing slash."""
     if not isinstance(model, str) or not model.strip():
         raise InvalidModel("the model must be a hub id (org/name), a local directory or s3://bucket/prefix/")
+    check_storable(model, "model")
     model = model.strip()
     if len(model) > MODEL_LEN:
         raise InvalidModel(f"the model id is longer than {MODEL_LEN} characters: {model[:80]}...")

@@ -89,6 +89,18 @@ def next_shard(db: Engine, model: str, *, full: Collection[str] = (), prefer: Co
     return Pick(ShardChoice(row.job_id, row.shard_index, owner, row.group_key), len(waiting))
 
 
+def another_owner_waiting(db: Engine, model: str, owner: str) -> bool:
+    """Whether an owner other than ``owner`` has a shard of ``model`` pending."""
+    other = Job.owner.is_not(None) if not owner else (Job.owner.is_(None) | (Job.owner != owner))
+    with db.connect() as conn:
+        row = conn.execute(
+            select(Shard.job_id).join(Job, Shard.job_id == Job.id)
+            .where(Job.model == model, Job.status == JobStatus.in_progress, Shard.status == ShardStatus.pending, other)
+            .limit(1)
+        ).first()  # fmt: skip
+    return row is not None
+
+
 def job_owner(db: Engine, job_id: str) -> str:
     """The owner of ``job_id`` (``""`` for none, or no such job)."""
     with db.connect() as conn:

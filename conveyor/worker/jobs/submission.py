@@ -18,12 +18,13 @@ for a job with none).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import insert, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from conveyor.worker.batchio.line_reader import ByteStream
@@ -33,17 +34,23 @@ from conveyor.worker.batchio.request_body import CHAT
 from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.core.limits import completion_window_seconds
 from conveyor.worker.core.settings import Settings
+from conveyor.worker.core.storable_text import check_storable
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.cache_salt import cache_salt
 from conveyor.worker.jobs.finalize import finalize_if_ready
 from conveyor.worker.jobs.intake import Grouping, IntakeResult, ingest
 from conveyor.worker.jobs.lifecycle import JobNotFound, cancel_job, get_job
 from conveyor.worker.jobs.model_names import canonical_model
+from conveyor.worker.jobs.quotas import Charge
+from conveyor.worker.jobs.working_objects import discard_working_objects
 from conveyor.worker.store.database import make_sessionmaker
+from conveyor.worker.store.faults import dependency_of
 from conveyor.worker.store.models import IDEMPOTENCY_KEY_LEN, Job, JobStatus, Shard, ShardStatus, now
 from conveyor.worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore
 
 Enqueue = Callable[[str, Sequence[int]], None]
+
+log = logging.getLogger(__name__)
 
 
 class SubmitError(RuntimeError):
@@ -85,8 +92,8 @@ def check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
             raise ValueError(f"metadata keys must be at most {MAX_METADATA_KEY_CHARS} characters, got {key!r:.70}")
         if len(value) > MAX_METADATA_VALUE_CHARS:
             raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE_CHARS} characters (key {key!r})")
-        if "\x00" in key or "\x00" in value:  # PostgreSQL's text and JSONB refuse it
-            raise ValueError(f"metadata keys and values must not contain NUL (\\u0000), got {key!r:.70}: {value!r:.70}")
+        check_storable(key, "metadata key")
+        check_storable(value, f"metadata.{key}")
     return dict(metadata)
 
 
@@ -109,6 +116,8 @@ def check_options(settings: Settings, options: SubmitOptions) -> tuple[str, int,
             f"priority must be an integer from 0 to {settings.max_priority} (CONVEYOR_MAX_PRIORITY), got {priority!r}"
         )
     options.request_options.check(settings.input_limits())
+    for name, value in (options.request_options.to_json() or {}).items():
+        check_storable(value, name)
     if options.shard_order is not None and options.shard_order not in SHARD_ORDERS:
         raise ValueError(f"shard order must be one of {', '.join(SHARD_ORDERS)}, got {options.shard_order!r:.40}")
     return model, shard_size, priority
@@ -174,7 +183,7 @@ def submit_job(
             grouping=_grouping(settings, _shard_order(settings, options), job_id, None, model),
         )  # fmt: skip
     except InputError as exc:
-        _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
+        _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint, store=store)
         return get_job(db, job_id)
     except BaseException as exc:
         _fail(db, job_id, "submit_failed", f"the input could not be stored: {type(exc).__name__}")
@@ -205,6 +214,9 @@ def create_job(
     input_file_id: str | None = None,
     idempotency_key: str | None = None,
     notify: dict[str, Any] | None = None,
+    charge: Charge | None = None,
+    check: Callable[[Connection], None] | None = None,
+    job_id: str | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """A ``validating`` job whose input is already stored (``input_uri``: an object under the
     store's root, e.g. an uploaded file); a worker reads it later (``ingest_job``), so the
@@ -213,7 +225,12 @@ def create_job(
     Returns (batch object, created). A job that already has ``idempotency_key`` is returned
     as it is, with ``created`` False: a redelivered or duplicated request makes one job, even
     when both arrive at once. ``ValueError`` names a bad option, a URI outside the store or an
-    input that is not there."""
+    input that is not there.
+
+    ``charge``: what the job holds of its owner's quotas until it ends (None: what its intake
+    will count). ``check`` runs first in the transaction that inserts the job (a quota
+    check: what it raises refuses the job). ``job_id``: the id of a job whose input a door
+    stored under the job's own prefix before creating it (the Message Batches door)."""
     model, shard_size, priority = check_options(settings, options)
     window, window_seconds = _window(settings, options)
     metadata = check_metadata(metadata)
@@ -224,6 +241,7 @@ def create_job(
                 f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters, "
                 f"got {idempotency_key!r:.80}"
             )
+        check_storable(idempotency_key, "idempotency_key")
         existing = job_with_key(db, idempotency_key)
         if existing is not None:
             return existing, False
@@ -233,19 +251,24 @@ def create_job(
         raise ValueError(f"input_uri: {exc}") from None
     if not store.exists(key):
         raise ValueError(f"input_uri: there is no object at {input_uri!r:.300}")
-    job_id = object_keys.new_job_id()
+    job_id = object_keys.check_job_id(job_id) if job_id is not None else object_keys.new_job_id()
     created = now()
     try:
         with db.begin() as conn:
+            if check is not None:
+                check(conn)
             conn.execute(
                 insert(Job).values(
-                    id=job_id, status=JobStatus.validating, model=model, priority=priority, endpoint=CHAT,
+                    id=job_id, status=JobStatus.validating, model=model, priority=priority,
+                    endpoint=options.request_options.endpoint or CHAT,
                     input_format=fmt.value, shard_size=shard_size, meta=metadata, input_uri=store.uri(key),
                     completion_window=window, created_at=created, updated_at=created,
                     expires_at=created + window_seconds, owner=owner, input_file_id=input_file_id,
                     idempotency_key=idempotency_key, notify=notify,
                     request_options=options.request_options.to_json(), model_name=options.model.strip(),
                     shard_order=_shard_order(settings, options),
+                    charged_lines=None if charge is None else charge.lines,
+                    charged_tokens=None if charge is None else charge.tokens,
                 )
             )  # fmt: skip
     except IntegrityError:
@@ -295,7 +318,7 @@ def ingest_job(
     try:
         source = store.open_read(store.key_of(row.input_uri))
     except (InvalidKey, ObjectNotFound) as exc:
-        _fail(db, job_id, "input_not_found", f"the job's input cannot be read: {exc}")
+        _fail(db, job_id, "input_not_found", f"the job's input cannot be read: {exc}", store=store)
         return get_job(db, job_id)
     with source:
         try:
@@ -306,7 +329,14 @@ def ingest_job(
                 grouping=_grouping(settings, row.shard_order, job_id, row.owner, row.model),
             )  # fmt: skip
         except InputError as exc:
-            _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint)
+            _fail(db, job_id, exc.code, str(exc), line=exc.line, param=exc.param, endpoint=exc.endpoint, store=store)
+            return get_job(db, job_id)
+        except Exception as exc:
+            if dependency_of(exc) is not None:
+                raise  # an outage: the caller retries
+            # Anything else would fail the same way on every retry, for the whole window.
+            log.exception("the intake of job %s failed", job_id)
+            _fail(db, job_id, "intake_failed", f"the input could not be taken in ({type(exc).__name__})")
             return get_job(db, job_id)
     return _start(db, store, settings, job_id, intake, enqueue)
 
@@ -328,7 +358,10 @@ def _start(
                 invalid_requests=intake.invalid,
                 failed_requests=intake.invalid,
                 num_shards=len(intake.shards),
-                endpoint=intake.endpoint or CHAT,
+                endpoint=intake.endpoint or Job.endpoint,  # an API batch's stays, even with no valid line
+                # A job created without a charge is charged what intake counted.
+                charged_lines=func.coalesce(Job.charged_lines, intake.total),
+                charged_tokens=func.coalesce(Job.charged_tokens, intake.tokens),
                 prefix_estimate=None if intake.prefix is None else intake.prefix.to_json(),
                 updated_at=t,
             )
@@ -373,8 +406,10 @@ def _fail(
     line: int | None = None,
     param: str | None = None,
     endpoint: str | None = None,
+    store: ObjectStore | None = None,
 ) -> None:
-    """The job ``failed``, with one error shaped as OpenAI's ``BatchError``."""
+    """The job ``failed``, with one error shaped as OpenAI's ``BatchError``; with ``store``,
+    what its intake wrote is deleted (it can never run)."""
     t = now()
     values: dict[str, Any] = {
         "status": JobStatus.failed,
@@ -391,3 +426,5 @@ def _fail(
             .where(Shard.job_id == job_id, Shard.status == ShardStatus.pending)
             .values(status=ShardStatus.cancelled, finished_at=t)
         )
+    if store is not None:
+        discard_working_objects(store, job_id)

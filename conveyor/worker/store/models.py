@@ -5,8 +5,9 @@ one Celery task under a lease), ``items`` (one finished request, idempotent on
 ``(job_id, custom_id)``, with its per-item metrics), ``item_crashes`` (items whose worker
 died while they ran alone), ``engine_snapshots`` (periodic per-worker engine stats) and
 ``workers`` (the registry: which worker process serves which model, with a heartbeat),
-``api_keys`` (who may call the HTTP API; only a hash of each key is kept) and ``files``
-(OpenAI Files API objects: uploaded inputs and the batches' output and error files). The
+``api_keys`` (who may call the HTTP API; only a hash of each key is kept), ``files``
+(OpenAI Files API objects: uploaded inputs and the batches' output and error files) and
+``owner_quota_locks`` (a row per owner, locked while its quotas are checked and used). The
 schema changes only through ``conveyor/migrations/``.
 
 Times are Unix epoch seconds (float) everywhere: portable across SQLite and Postgres and
@@ -195,6 +196,12 @@ class Job(Base):
     # The intake's estimate of the prompts' shared prefix (grouped jobs): canonical prompt bytes
     # and the bytes each line shares with its neighbour in sorted order.
     prefix_estimate: Mapped[dict[str, Any] | None] = mapped_column(NullableJSONType)
+    # What the job holds of its owner's quotas until it ends (``conveyor.worker.jobs.quotas``):
+    # its lines and output tokens (``n x max_tokens`` per line), fixed when an API batch is
+    # created, whatever becomes of its input file; counted by intake for a job created
+    # otherwise. NULL until then (charged ``total_requests`` lines of the default meanwhile).
+    charged_lines: Mapped[int | None] = mapped_column(BigInteger)
+    charged_tokens: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
@@ -484,3 +491,14 @@ class StoredFile(Base):
         Index("ix_files_owner_created", "owner", "created_at"),
         Index("ix_files_job", "job_id"),
     )
+
+
+class OwnerQuotaLock(Base):
+    """A row per owner whose quotas were checked: each check takes the owner's row lock with
+    the write it allows, in one transaction, so that every API replica takes one owner's turns
+    one at a time (``conveyor.worker.store.owner_turns``)."""
+
+    __tablename__ = "owner_quota_locks"
+
+    owner: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)  # "" for no owner
+    locked_at: Mapped[float] = mapped_column(Double, default=now)

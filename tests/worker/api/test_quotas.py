@@ -3,16 +3,22 @@ serve``'s app on PostgreSQL, Redis and S3 (moto): past a quota the answer is 429
 rate-limit shape naming the limit, nothing is kept, and another owner is unaffected.
 
 No worker runs: a declared model's batches stay ``validating``, which is "queued" for the
-quotas (work counts from a batch's creation until it ends)."""
+quotas (work counts from a batch's creation until it ends), or ``in_progress`` once the test
+runs their intake itself (``ingest_job``, what a worker's intake lane runs) with no worker to
+run their shards. Two apps on one database stand for two API replicas."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import openai
 import pytest
 
 from conveyor.worker.batchio.batch_scan import BatchScanner
+from conveyor.worker.jobs.submission import ingest_job
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.objects.factory import open_store_from_settings
 from tests.worker.helpers import jsonl, openai_lines
 
 CHAT: Final = "/v1/chat/completions"
@@ -44,6 +50,15 @@ def rate_limited(call: Any, limit: str) -> openai.RateLimitError:
     assert err.code == "rate_limit_exceeded" and err.param == limit, err.body
     assert f"CONVEYOR_QUOTA_{limit.upper()}" in err.message and f"({limit})" in err.message
     return err
+
+
+def run_intake(settings: Any, batch_id: str) -> str:
+    """Ingest the batch as a worker's intake lane would (its shards then wait for a worker)."""
+    db = create_db_engine(settings.database)
+    try:
+        return ingest_job(db, open_store_from_settings(settings), settings, batch_id, enqueue=None)["status"]
+    finally:
+        db.dispose()
 
 
 @pytest.fixture
@@ -102,6 +117,102 @@ def test_queued_lines_quota(two_owners) -> None:
     assert "limit 5, used 4, requested 2" in err.message
     create(a, upload(a, lines(1)))
     create(b, upload(b, lines(5)))
+
+
+def test_deleting_a_running_batchs_file_keeps_its_charge(pg_redis_s3_stack, serve) -> None:
+    server = serve(pg_redis_s3_stack, models=[MODEL], default_max_tokens=100, quota_queued_tokens=1500)
+    a = server.client(server.new_key("a"))
+    data = lines(2, max_tokens=500)  # 1000 tokens, where the default would charge 200
+    first_file = upload(a, data)
+    first = create(a, first_file)
+    assert run_intake(server.settings, first) == "in_progress"
+    rate_limited(lambda: create(a, upload(a, data)), "queued_tokens")
+    a.files.delete(first_file)  # its batch has read it: the file may go, its charge stays
+    err = rate_limited(lambda: create(a, upload(a, data)), "queued_tokens")
+    assert "limit 1500, used 1000, requested 1000" in err.message
+    a.batches.cancel(first)
+    wait_ended(a, first)
+    create(a, upload(a, data))  # a batch that ended gives its charge back
+
+
+OWNERS, ATTEMPTS = 2, 20
+
+
+def slow_inserts(settings: Any, *tables: str) -> None:
+    """Each insert into ``tables`` takes 0.2 s more (a PostgreSQL trigger, as a busy database
+    would): a check that did not hold the owner's turn until its insert committed lets the
+    other replica's check read the count from before, every time, not once in a while."""
+    db = create_db_engine(settings.database)
+    try:
+        with db.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN PERFORM pg_sleep(0.2); RETURN NEW; END $$"
+            )
+            for table in tables:
+                conn.exec_driver_sql(
+                    f"CREATE TRIGGER slow_{table} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION slow_insert()"
+                )
+    finally:
+        db.dispose()
+
+
+def race(replicas: list[Any], attempt: Any, prepare: Any = None) -> dict[int, list[str]]:
+    """``attempt(client, owner)`` ATTEMPTS times for each of OWNERS owners at once, every
+    owner's attempts split across the replicas (after ``prepare(client, owner)``, one at a
+    time); each owner's answers."""
+    keys = [replicas[0].new_key(f"owner-{n}") for n in range(OWNERS)]
+    clients = [[r.client(key) for r in replicas] for key in keys]
+    for n in range(OWNERS):
+        if prepare is not None:
+            prepare(clients[n][0], n)
+    jobs = [(n, i) for i in range(ATTEMPTS) for n in range(OWNERS)]
+    with ThreadPoolExecutor(2 * ATTEMPTS) as pool:
+        answers = list(pool.map(lambda job: attempt(clients[job[0]][job[1] % len(replicas)], job[0]), jobs))
+    by_owner: dict[int, list[str]] = {n: [] for n in range(OWNERS)}
+    for (n, _), answer in zip(jobs, answers, strict=True):
+        by_owner[n].append(answer)
+    return by_owner
+
+
+def test_replicas_never_accept_more_batches_than_the_quota_together(pg_redis_s3_stack, serve) -> None:
+    stack = pg_redis_s3_stack.with_values(models=[MODEL], quota_active_batches=3)
+    replicas = [serve(stack), serve(stack)]  # two apps, each with its own process-level locks
+    slow_inserts(stack.settings, "jobs")
+    files: dict[int, str] = {}
+
+    def prepare(client: openai.OpenAI, owner: int) -> None:
+        files[owner] = upload(client, lines(1))
+
+    def attempt(client: openai.OpenAI, owner: int) -> str:
+        try:
+            create(client, files[owner])
+            return "accepted"
+        except openai.RateLimitError as err:
+            assert err.param == "active_batches", err.body
+            return "429"
+
+    for owner, answers in race(replicas, attempt, prepare).items():
+        assert answers.count("accepted") == 3 and answers.count("429") == ATTEMPTS - 3, (owner, answers)
+
+
+def test_replicas_never_keep_more_files_than_the_quota_together(pg_redis_s3_stack, serve) -> None:
+    stack = pg_redis_s3_stack.with_values(
+        quota_files=3, max_concurrent_uploads_per_key=ATTEMPTS, max_concurrent_uploads=OWNERS * ATTEMPTS
+    )
+    replicas = [serve(stack), serve(stack)]
+    slow_inserts(stack.settings, "files")
+
+    def attempt(client: openai.OpenAI, owner: int) -> str:
+        try:
+            upload(client, lines(1))
+            return "kept"
+        except openai.RateLimitError as err:
+            assert err.param == "files", err.body
+            return "429"
+
+    for owner, answers in race(replicas, attempt).items():
+        assert answers.count("kept") == 3, (owner, answers)
 
 
 def test_files_and_stored_bytes_quotas_keep_nothing_past_them(two_owners) -> None:

@@ -60,7 +60,7 @@ def test_a_full_submission_parses(settings) -> None:
         (fields(model=None), "model", "model is required"),
         (fields(model="no such/dir/here"), "model", "is not one this deployment serves"),
         (fields(model=["m"]), "model", "is not one this deployment serves"),
-        (fields(metadata={"k": "a\x00b"}), "metadata", "must not contain NUL"),
+        (fields(metadata={"k": "a\x00b"}), "metadata.k", "metadata.k must be text without NUL characters"),
         (fields(priority=True), "priority", "priority must be an integer"),
         (fields(priority=-1), "priority", "from 0 to 1000"),
         (fields(shard_size=0), "shard_size", "from 1 to 10000"),
@@ -267,7 +267,8 @@ def test_only_models_the_deployment_serves_are_taken_and_paths_tell_nothing(loca
             f"model {model!r} is not one this deployment serves "
             "(declared in CONVEYOR_MODELS, or served by a worker under that name)"
         )
-    assert answers["bad"]["status"] == "failed" and "not one this deployment serves" in answers["bad"]["refused"]
+    assert answers["bad"]["status"] == "failed"
+    assert answers["bad"]["refused"].startswith("model must be text without NUL characters or lone surrogates")
     assert intakes == []  # no intake, so no shard and no queue for any of those names
     with db.connect() as conn:
         assert conn.execute(select(Job.status).where(Job.status != "failed")).all() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -37,6 +38,46 @@ def test_round_trip_list_exists_delete(store) -> None:
     with pytest.raises(ObjectNotFound):
         job.size("input.jsonl")
     assert job.uri("parts/00000.jsonl").endswith("jobs/batch_1/parts/00000.jsonl")
+
+
+def test_folders_listed_in_pages_and_deleted_whole(store) -> None:
+    for job in ("batch_1", "batch_10", "batch_2", "batch_3"):
+        store.put_bytes(f"jobs/{job}/input.jsonl", b"x")
+    store.put_bytes("jobs/batch_1/shards/000000.jsonl", b"s0")
+    store.put_bytes("jobs/batch_1/shards/000001.jsonl", b"s1")
+    store.put_bytes("jobs/batch_1/results.jsonl", b"r")
+    store.put_bytes("jobs/loose.txt", b"not in a folder")
+    store.put_bytes("files/f/content", b"c")
+    assert list(store.list_folders()) == ["files/", "jobs/"]
+    every = ["jobs/batch_1/", "jobs/batch_10/", "jobs/batch_2/", "jobs/batch_3/"]
+    assert list(store.list_folders("jobs/")) == every
+    assert list(store.list_folders("jobs/", start_after="jobs/batch_1/")) == every[1:]
+    assert list(store.list_folders("jobs/", start_after="jobs/batch_2/")) == every[3:]
+    assert list(store.list_folders("jobs/batch_1/")) == ["jobs/batch_1/shards/"]
+    infos = {info.key: info for info in store.list_info("jobs/batch_1/")}
+    assert sorted(infos) == ["jobs/batch_1/input.jsonl", "jobs/batch_1/results.jsonl", *(
+        f"jobs/batch_1/shards/00000{i}.jsonl" for i in range(2))]  # fmt: skip
+    assert infos["jobs/batch_1/shards/000001.jsonl"].size == 2
+    assert abs(infos["jobs/batch_1/results.jsonl"].modified - time.time()) < 120
+    after = [info.key for info in store.list_info("jobs/", start_after="jobs/batch_1/shards/000000.jsonl")]
+    assert after == [
+        "jobs/batch_1/shards/000001.jsonl",
+        *(f"jobs/batch_{j}/input.jsonl" for j in (10, 2, 3)),
+        "jobs/loose.txt",
+    ]
+
+    job = store.scoped("jobs/batch_1")
+    assert job.delete_folder("shards/") == 2
+    assert job.delete_folder("shards/") == 0  # again: nothing left, no error
+    assert list(job.list()) == ["input.jsonl", "results.jsonl"]
+    assert store.delete_folder("jobs/batch_1/") == 2  # its sibling batch_10 stays
+    assert list(store.list_folders("jobs/")) == every[1:]
+    assert store.exists("jobs/batch_10/input.jsonl") and store.exists("jobs/loose.txt")
+    for bad in ("", "jobs", "../", "jobs/../"):
+        with pytest.raises(InvalidKey):
+            store.delete_folder(bad)
+    with pytest.raises(InvalidKey):
+        list(store.list_folders("jobs"))
 
 
 def test_streamed_read_line_by_line(store) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.parse import unquote
 
@@ -78,6 +79,24 @@ def validate_prefix(prefix: str) -> str:
         return prefix
     validate_key(prefix[:-1] if prefix.endswith("/") else prefix)
     return prefix
+
+
+def validate_folder(prefix: str) -> str:
+    """A folder: ``""`` (the store itself) or a key followed by ``/``."""
+    if prefix and not prefix.endswith("/"):
+        raise InvalidKey(f"folder {prefix!r} must end with '/'")
+    return validate_prefix(prefix)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the store's prefix), size, ETag (quoted, as S3
+    gives it; empty for a local file) and when it was last written (Unix seconds)."""
+
+    key: str
+    size: int
+    etag: str
+    modified: float = 0.0
 
 
 class ObjectWriter(ABC):
@@ -151,6 +170,27 @@ class ObjectStore(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys that start with ``prefix``, in lexicographic order."""
+
+    @abstractmethod
+    def list_info(self, prefix: str = "", *, start_after: str = "") -> Iterator[ObjectInfo]:
+        """Like ``list``, with each object's size, ETag and time of writing; only the keys
+        after ``start_after``, to page through many."""
+
+    @abstractmethod
+    def list_folders(self, folder: str = "", *, start_after: str = "") -> Iterator[str]:
+        """The folders directly under ``folder`` (``""`` or ending with ``/``) that hold an
+        object, each as a prefix ending with ``/``, in order; only those after the folder
+        ``start_after``, to page through many."""
+
+    def delete_folder(self, folder: str) -> int:
+        """Remove every object under ``folder`` (a non-empty prefix ending with ``/``, so it
+        can never take a sibling that only starts the same way); how many there were."""
+        if not folder:
+            raise InvalidKey("delete_folder needs a folder; it never empties the whole store")
+        keys = list(self.list(validate_folder(folder)))
+        for key in keys:
+            self.delete(key)
+        return len(keys)
 
     @abstractmethod
     def size(self, key: str) -> int:

@@ -6,6 +6,7 @@ reader never sees half an object and an aborted write leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -16,10 +17,12 @@ from conveyor.worker.store.objects.base import (
     CHECK_KEY,
     TMP_MARK,
     InvalidKey,
+    ObjectInfo,
     ObjectNotFound,
     ObjectStore,
     ObjectWriter,
     StorageUnavailable,
+    validate_folder,
     validate_key,
     validate_prefix,
 )
@@ -103,10 +106,12 @@ class LocalStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[str]:
         validate_prefix(prefix)
         base = self._base()
-        if not base.is_dir():
+        # Walk only the folder the prefix names (the part before its last '/').
+        top = self._path(prefix[: prefix.rindex("/")]) if "/" in prefix else base
+        if not top.is_dir():
             return iter(())
         keys = []
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, _dirs, files in os.walk(top):
             rel_dir = Path(dirpath).relative_to(base).as_posix()
             for name in files:
                 if name.startswith(TMP_MARK):
@@ -115,6 +120,31 @@ class LocalStore(ObjectStore):
                 if key.startswith(prefix):
                     keys.append(key)
         return iter(sorted(keys))
+
+    def list_info(self, prefix: str = "", *, start_after: str = "") -> Iterator[ObjectInfo]:
+        infos = []
+        for key in (k for k in self.list(prefix) if k > start_after):
+            with contextlib.suppress(FileNotFoundError):  # (deleted since it was listed)
+                stat = self._path(key).stat()
+                infos.append(ObjectInfo(key, stat.st_size, "", stat.st_mtime))
+        return iter(infos)
+
+    def list_folders(self, folder: str = "", *, start_after: str = "") -> Iterator[str]:
+        validate_folder(folder)
+        where = self._path(folder[:-1]) if folder else self._base()
+        if not where.is_dir():
+            return iter(())
+        names = sorted(f"{folder}{e.name}/" for e in os.scandir(where) if e.is_dir(follow_symlinks=False))
+        return (name for name in names if name > start_after and any(self.list(name)))
+
+    def delete_folder(self, folder: str) -> int:
+        gone = super().delete_folder(folder)
+        where = self._path(folder[:-1])
+        # The folders the objects were in, deepest first: a local store keeps no empty ones.
+        for dirpath, _dirs, _files in sorted(os.walk(where), key=lambda d: len(d[0]), reverse=True):
+            with contextlib.suppress(OSError):  # (not empty: a write under way)
+                os.rmdir(dirpath)
+        return gone
 
     def size(self, key: str) -> int:
         path = self._path(key)

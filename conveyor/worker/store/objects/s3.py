@@ -5,20 +5,25 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from conveyor.worker.store.objects.base import (
     CHECK_KEY,
     S3_MIN_PART,
+    InvalidKey,
     MiB,
+    ObjectInfo,
     ObjectNotFound,
     ObjectStore,
     ObjectWriter,
     StorageUnavailable,
+    validate_folder,
     validate_key,
     validate_prefix,
 )
+
+__all__ = ["ObjectChanged", "ObjectInfo", "S3Store"]
+DELETE_BATCH = 1000  # S3's most keys in one DeleteObjects
 
 
 class _RawBody(io.RawIOBase):
@@ -193,16 +198,6 @@ class _Client:
         return None
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
-    """One listed object: its key (relative to the store's prefix), size and ETag (quoted,
-    as S3 gives it)."""
-
-    key: str
-    size: int
-    etag: str
-
-
 class S3Store(ObjectStore):
     """Objects in an S3 (or S3-compatible) bucket under ``prefix``."""
 
@@ -262,23 +257,62 @@ class S3Store(ObjectStore):
     def _list(self, prefix: str) -> Iterator[str]:
         return (info.key for info in self._list_info(prefix))
 
-    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Like ``list``, with each object's size and ETag (S3 only: what a download checks)."""
+    def list_info(self, prefix: str = "", *, start_after: str = "") -> Iterator[ObjectInfo]:
         validate_prefix(prefix)
-        return self._list_info(prefix)
+        return self._list_info(prefix, start_after)
 
-    def _list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+    def _list_info(self, prefix: str, start_after: str = "") -> Iterator[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
-        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+        args = {"StartAfter": base + start_after} if start_after else {}
+        for page in self._pages(Prefix=base + prefix, **args):
+            for obj in page.get("Contents", ()):
+                modified = obj.get("LastModified")
+                yield ObjectInfo(
+                    obj["Key"][len(base) :],
+                    int(obj["Size"]),
+                    str(obj.get("ETag", "")),
+                    modified.timestamp() if modified is not None else 0.0,
+                )
+
+    def list_folders(self, folder: str = "", *, start_after: str = "") -> Iterator[str]:
+        validate_folder(folder)
+        return self._list_folders(folder, start_after)
+
+    def _list_folders(self, folder: str, start_after: str) -> Iterator[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        args: dict[str, Any] = {"Prefix": base + folder, "Delimiter": "/"}
+        if start_after:
+            # Past every key inside that folder: '0' is the character after '/'.
+            args["StartAfter"] = base + start_after.rstrip("/") + "0"
+        for page in self._pages(**args):
+            for common in page.get("CommonPrefixes", ()):
+                yield common["Prefix"][len(base) :]
+
+    def _pages(self, **args: Any) -> Iterator[dict[str, Any]]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, **args)
         try:
-            for page in pages:
-                for obj in page.get("Contents", ()):
-                    yield ObjectInfo(obj["Key"][len(base) :], int(obj["Size"]), str(obj.get("ETag", "")))
+            yield from pages
         except Exception as exc:
             translated = self._client.translate(exc)
             if translated is None:
                 raise
             raise translated from None
+
+    def delete_folder(self, folder: str) -> int:
+        if not folder:
+            raise InvalidKey("delete_folder needs a folder; it never empties the whole store")
+        keys = list(self.list(validate_folder(folder)))
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": self._full(key)} for key in keys[start : start + DELETE_BATCH]]
+            answer = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            if answer.get("Errors"):
+                first = answer["Errors"][0]
+                raise StorageUnavailable(
+                    f"S3 refused to delete {len(answer['Errors'])} objects under {self.uri(folder[:-1])}, "
+                    f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}",
+                    transient=first.get("Code") in ("InternalError", "SlowDown", "ServiceUnavailable"),
+                )
+        return len(keys)
 
     def open_version(self, key: str, etag: str) -> tuple[BinaryIO, dict[str, Any]]:
         """Read ``key`` only if its ETag is still ``etag`` (``ObjectChanged`` if it is not):
