@@ -2,7 +2,8 @@
 
 It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (each router in
 its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
-broker as the workers (``conveyor.worker.api.services``). Errors are OpenAI's (``conveyor.worker.api.errors``).
+broker as the workers (``conveyor.worker.api.services``). Errors are OpenAI's (``conveyor.worker.api.errors``),
+but on Anthropic's Message Batches (``conveyor.worker.api.routes_message_batches``), which are Anthropic's.
 While it runs, a background thread deletes uploaded files past their ``expires_at``, and another
 takes broker submissions (``conveyor.worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
 so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
@@ -17,7 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 
-from conveyor.worker.api import health, routes_batches, routes_files, routes_models
+from conveyor.worker.api import health, routes_batches, routes_files, routes_message_batches, routes_models
 from conveyor.worker.api.errors import install_error_handlers
 from conveyor.worker.api.insecure_guard import InsecureGuard
 from conveyor.worker.api.metrics_route import metrics_router
@@ -84,6 +85,7 @@ def create_app(
     install_error_handlers(app)
     for router in (routes_files.router, routes_batches.router, routes_models.router, health.router):
         app.include_router(router)
+    app.include_router(routes_message_batches.router)
     app.include_router(metrics_router(metrics))
     for router in extra_routers:
         app.include_router(router)
