@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
+
+Message = Mapping[str, Any]
 
 
 class LLM:
@@ -21,18 +28,79 @@ class LLM:
     ``model`` is a local checkpoint directory or a hub id; keyword arguments are
     ``EngineConfig``'s fields by their flat names (``dtype``, ``device``, ``block_size``,
     ``max_num_seqs``, ...) or its groups (``cache=CacheConfig(...)``, ``conveyor.engine.config``).
+
+    ``with LLM(...) as llm:`` shuts it down on exit (``shutdown``); so does dropping the last
+    reference to it, without waiting for the garbage collector.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._engine: LLMEngine | None = engine
         self._ids = itertools.count()
+        # Bound to the engine, not to self: ``del llm`` frees this object at once (no cycle
+        # through it), which stops the engine's tensor-parallel ranks there and then.
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineDeadError("this LLM is shut down; build another")
+        return self._engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel ranks, if it has any (``LLMEngine.shutdown``)."""
-        self.engine.shutdown()
+        """Release everything the engine holds: its tensor-parallel ranks (the process may
+        then build another tensor-parallel engine), its weights and KV cache. Idempotent; the
+        ``LLM`` runs nothing after it."""
+        engine, self._engine = self._engine, None
+        self._finalizer.detach()
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        gc.collect()  # the engine's internals hold cycles: free the weights and KV cache now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """As vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}``
+        messages) or a list of them, each rendered with the model's chat template (the
+        assistant's turn opened) and generated as ``generate`` does, outputs in input order.
+        ``chat_template_kwargs`` (template variables, e.g. ``enable_thinking``) and ``tools``
+        apply to every conversation and are checked as a batch line's are."""
+        if isinstance(messages, Mapping):
+            raise ValueError("messages must be a list of message objects, or a list of such lists")
+        conversations: list[Any] = list(messages)
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # one conversation
+        prompts: list[Prompt] = []
+        for i, conversation in enumerate(conversations):
+            if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):
+                kind = type(conversation).__name__
+                raise ValueError(f"messages[{i}] must be a conversation (a list of message objects), got {kind}")
+            prompt: dict[str, Any] = {"messages": list(conversation)}
+            if chat_template_kwargs is not None:
+                prompt["chat_template_kwargs"] = dict(chat_template_kwargs)
+            if tools is not None:
+                prompt["tools"] = list(tools)
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,

@@ -20,7 +20,8 @@ decides at once whether the batch can run, each refusal a 400 naming its paramet
 
 The job is then recorded ``validating`` (``create_job``) and a worker is asked to read the
 file (``enqueue_intake``): lines it rejects one by one (bad JSON, a bad body, a missing
-field) become lines of the batch's errors file, and the rest run. An ``Idempotency-Key``
+field, a plain row or a line to another endpoint than the batch's) become lines of the
+batch's errors file, and the rest run. An ``Idempotency-Key``
 header makes a retried request find the batch it created.
 """
 
@@ -37,12 +38,14 @@ from conveyor.worker.api.quota_checks import create_within_quota
 from conveyor.worker.api.services import ApiServices
 from conveyor.worker.batchio.batch_scan import BatchScan
 from conveyor.worker.batchio.request_body import ENDPOINTS
+from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.broker.queues import enqueue_intake
 from conveyor.worker.core.limits import completion_window_seconds
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.catalog import catalog
 from conveyor.worker.jobs.files import BATCH, FileNotFound, get_file_info
 from conveyor.worker.jobs.owned_jobs import fail_unqueued
+from conveyor.worker.jobs.quotas import Charge
 from conveyor.worker.jobs.submission import (
     SubmitOptions,
     check_metadata,
@@ -187,15 +190,19 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
             param="model",
             code="model_not_found",
         )
-    options = SubmitOptions(model=model, completion_window=req.completion_window)
+    # Intake takes only lines to the endpoint (a plain row or another url is that line's error).
+    options = SubmitOptions(
+        model=model, completion_window=req.completion_window, request_options=RequestOptions(endpoint=req.endpoint)
+    )
     scan = info.batch_scan
     assert scan is not None  # batch_model refused a file without one
+    charge = Charge.of_scan(scan, settings.default_max_tokens)  # stored on the job: it holds until the job ends
     try:
         batch, created = create_within_quota(
-            services, owner, scan,
-            lambda: create_job(
+            services, owner, charge,
+            lambda check: create_job(
                 db, services.store, settings, info.uri, options, metadata=metadata, owner=owner,
-                input_file_id=req.input_file_id, idempotency_key=key,
+                input_file_id=req.input_file_id, idempotency_key=key, charge=charge, check=check,
             ),
         )  # fmt: skip
     except ValueError as exc:

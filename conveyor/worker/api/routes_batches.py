@@ -1,4 +1,6 @@
-"""``/v1/batches``: create (``conveyor.worker.api.batch_create``), list, retrieve, cancel.
+"""``/v1/batches``: create (``conveyor.worker.api.batch_create``), list, retrieve, cancel, and
+``GET /v1/batches/{id}/unfinished`` (beyond OpenAI's API): a cancelled or expired batch's input
+lines that never ran, as uploaded, to upload again as a new batch's input.
 
 A batch is a job: its object is the job's batch object less the fields OpenAI does not
 document (``priority``, the storage URIs, ``metrics``, shard counts: those stay in
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Query, Request
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from conveyor.worker.api.auth import Caller
@@ -18,6 +21,7 @@ from conveyor.worker.api.batch_create import create_batch, parse_body, read_json
 from conveyor.worker.api.errors import ApiError
 from conveyor.worker.api.services import Services
 from conveyor.worker.jobs.lifecycle import finish_cancel
+from conveyor.worker.jobs.output_files import iter_lines
 from conveyor.worker.jobs.owned_jobs import (
     MAX_LIST_LIMIT,
     NotCancellable,
@@ -25,6 +29,7 @@ from conveyor.worker.jobs.owned_jobs import (
     list_owned_batches,
     owned_batch,
 )
+from conveyor.worker.jobs.unfinished_reads import NotEnded, NoUnfinished, open_unfinished
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -78,3 +83,18 @@ def cancel_batch(batch_id: str, owner: Caller, services: Services, background: B
         hb = services.settings.heartbeat_seconds
         background.add_task(finish_cancel, services.db, services.store, batch_id, heartbeat_seconds=hb)
     return api_batch(batch)
+
+
+@router.get("/{batch_id}/unfinished")
+def unfinished_lines(batch_id: str, owner: Caller, services: Services) -> StreamingResponse:
+    """The batch's input lines that never ran (``batch_cancelled`` or ``batch_expired`` in its
+    errors file), as uploaded: empty for a completed batch, 409 while it runs."""
+    hb = services.settings.heartbeat_seconds
+    owned_batch(services.db, services.store, batch_id, owner.id, heartbeat_seconds=hb)  # not found: 404
+    try:
+        stream = open_unfinished(services.db, services.store, batch_id)
+    except NotEnded as exc:
+        raise ApiError(409, str(exc)) from None
+    except NoUnfinished as exc:
+        raise ApiError(404, str(exc)) from None
+    return StreamingResponse(iter_lines(stream), media_type="application/jsonl")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import struct
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-ROWS_PER_GROUP = 8192
+from conveyor.worker.batchio.parquet_file import ROWS_PER_GROUP, RowGroupWriter, Target, write_whole
+from conveyor.worker.core.terminal_text import shown_id
 
 
 class NotEmbeddings(ValueError):
@@ -26,43 +26,27 @@ def _vector(value: Any) -> list[float]:
     return value
 
 
-def write_embeddings_parquet(
-    lines: Iterable[bytes], out: str | os.PathLike[str] | BinaryIO, rows_per_group: int = ROWS_PER_GROUP
-) -> int:
-    """Write the embeddings of a results file's ``lines`` to ``out``; the number of vectors."""
+def write_embeddings_parquet(lines: Iterable[bytes], out: Target, rows_per_group: int = ROWS_PER_GROUP) -> int:
+    """Write the embeddings of a results file's ``lines`` to ``out``; the number of vectors.
+    A path gets the whole file or nothing (``parquet_file.write_whole``)."""
+    return write_whole(out, lambda target: _write(lines, target, rows_per_group))
+
+
+def _write(lines: Iterable[bytes], out: str | BinaryIO, rows_per_group: int) -> int:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    writer: Any = None
+    writer: RowGroupWriter | None = None
     dim = 0
-    ids: list[str] = []
-    indexes: list[int] = []
-    flat: list[float] = []
     count = 0
-
-    def flush() -> None:
-        nonlocal ids, indexes, flat
-        if not ids:
-            return
-        values = pa.array(flat, type=pa.float32())
-        table = pa.table(
-            {
-                "custom_id": pa.array(ids, type=pa.string()),
-                "index": pa.array(indexes, type=pa.int32()),
-                "embedding": pa.FixedSizeListArray.from_arrays(values, dim),
-            }
-        )
-        writer.write_table(table)
-        ids, indexes, flat = [], [], []
-
     try:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             record = json.loads(line)
+            which = f"line {number} ({shown_id(record.get('custom_id'))})"
             body = ((record.get("response") or {}).get("body")) or {}
             if body.get("object") != "list":
-                raise NotEmbeddings(f"line {number} ({record.get('custom_id')}) is not an embeddings response")
+                raise NotEmbeddings(f"{which} is not an embeddings response")
             for item in body["data"]:
                 vec = _vector(item["embedding"])
                 if writer is None:
@@ -70,21 +54,16 @@ def write_embeddings_parquet(
                     schema = pa.schema(
                         [("custom_id", pa.string()), ("index", pa.int32()), ("embedding", pa.list_(pa.float32(), dim))]
                     )
-                    writer = pq.ParquetWriter(out, schema)
+                    writer = RowGroupWriter(out, schema, rows_per_group)
                 if len(vec) != dim:
                     raise NotEmbeddings(
-                        f"line {number} ({record.get('custom_id')}) has vectors of {len(vec)} dimensions, the "
+                        f"{which} has vectors of {len(vec)} dimensions, the "
                         f"first had {dim}: a fixed-size column needs one size (export lines of one dimensions)"
                     )
-                ids.append(record["custom_id"])
-                indexes.append(item["index"])
-                flat.extend(vec)
+                writer.append({"custom_id": record["custom_id"], "index": item["index"], "embedding": vec})
                 count += 1
-                if len(ids) >= rows_per_group:
-                    flush()
         if writer is None:
             raise NotEmbeddings("the results hold no embeddings")
-        flush()
     finally:
         if writer is not None:
             writer.close()

@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from conveyor.worker.core.terminal_text import printable, shown_id
+
 MESSAGE_CHARS = 90
 
 
@@ -30,8 +32,9 @@ def _one(line: bytes) -> tuple[str, str, str]:
     error = obj.get("error")
     if not error:  # a request that ran and failed: OpenAI's error body in the response
         error = ((obj.get("response") or {}).get("body") or {}).get("error") or {}
-    where = f"line {error['line']}" if error.get("line") is not None else str(obj.get("custom_id"))
-    message = str(error.get("message") or "")
+    # A custom_id is the user's text, shown escaped: no control sequence reaches a terminal.
+    where = f"line {error['line']}" if error.get("line") is not None else shown_id(obj.get("custom_id"))
+    message = printable(str(error.get("message") or ""))
     if len(message) > MESSAGE_CHARS:
         message = message[: MESSAGE_CHARS - 3] + "..."
     return str(error.get("code") or "error"), where, message

@@ -152,6 +152,11 @@ def failed_request_line(
 # OpenAI's code and message for a request its batch's completion window left unrun.
 BATCH_EXPIRED = "batch_expired"
 BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+# A request its batch's cancel left unrun: the same line as an expired one, under its own code.
+BATCH_CANCELLED = "batch_cancelled"
+BATCH_CANCELLED_MESSAGE = "This request was not executed: its batch was cancelled first."
+# The codes of requests that never ran because their batch stopped: ``results --unfinished`` resubmits them.
+UNRUN_CODES = (BATCH_EXPIRED, BATCH_CANCELLED)
 
 
 def error_line(

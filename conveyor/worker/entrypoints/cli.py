@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from conveyor.worker.core.terminal_text import json_for_terminal, printable
+from conveyor.worker.entrypoints.engine_flags import add_engine_flags, check_engine_flags, given_engine_flags
 from conveyor.worker.entrypoints.request_flags import add_request_flags, request_options
 
 # A base install (``pip install conveyor``, no ``worker`` extra) has the engine and this parser,
@@ -41,9 +43,12 @@ try:
     from conveyor.worker.entrypoints.progress_bar import RunProgress, duration
     from conveyor.worker.jobs.catalog import is_declared
     from conveyor.worker.jobs.lifecycle import JobNotFound, NotRetryable
+    from conveyor.worker.jobs.live_lines import FollowState
     from conveyor.worker.jobs.model_names import InvalidModel, canonical_model
     from conveyor.worker.jobs.object_keys import InvalidJobId
+    from conveyor.worker.jobs.servable import unserved_refusal
     from conveyor.worker.jobs.submission import SubmitError
+    from conveyor.worker.jobs.unfinished_reads import NotEnded, NoUnfinished
     from conveyor.worker.store.api_keys import (
         KeyNameError,
         KeyNotFound,
@@ -86,28 +91,23 @@ def load_settings(**overrides: Any) -> Settings:
     return read_settings(**overrides)
 
 
-# ``EngineConfig.model_impl``'s values (conveyor.engine.config.MODEL_IMPLS; not imported here: it imports torch).
-MODEL_IMPLS = ("auto", "native", "transformers")
-MODEL_IMPL_HELP = (
-    "whose forward pass runs the model: native (ours), transformers (its layers with our paged attention, for "
-    "architectures we have no native code for) or auto (native when we have it; the default, or "
-    "CONVEYOR_ENGINE_ARGS' model_impl)"
-)
-
-
-# The engine options a command's flags may set (argparse dest = engine arg), laid over
-# ``CONVEYOR_ENGINE_ARGS``.
-ENGINE_FLAGS = ("model_impl", "speculative_config", "tensor_parallel_size")
-
-
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Settings overrides for the engine options given on the command line (``--model-impl``,
-    ``--speculative-config``, ``--tensor-parallel-size``): ``CONVEYOR_ENGINE_ARGS`` with them on
-    top (the flag wins); empty when none is."""
-    given = {name: value for name in ENGINE_FLAGS if (value := getattr(args, name, None)) is not None}
+    """Settings overrides for the engine flags given on the command line (``engine_flags``):
+    ``CONVEYOR_ENGINE_ARGS`` with them on top (the flag wins); empty when none is."""
+    given = given_engine_flags(args)
     if not given:
         return {}
     return {"engine_args": {**read_settings().engine_args, **given}}
+
+
+def _checked_engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``_engine_overrides``, each flag's value first checked by the engine's config: a bad one
+    is refused by its flag before anything loads."""
+    try:
+        check_engine_flags(given_engine_flags(args))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return _engine_overrides(args)
 
 
 def _client(settings: Settings | None = None) -> Client:
@@ -123,10 +123,10 @@ def progress_text(job: dict[str, Any]) -> str | None:
     p = job.get("progress")
     if not p:
         return None
+    eta = duration(p["eta_seconds"]) if p["eta_seconds"] is not None else p.get("eta_note") or "unknown"
     if p["requests_per_second"] is None:
-        rate = "just started"
+        rate = f"just started, ETA {eta}"
     else:
-        eta = "unknown until a request finishes" if p["eta_seconds"] is None else duration(p["eta_seconds"])
         rate = (
             f"{p['requests_per_second']:.2f} req/s and {p['output_tokens_per_second']:.0f} tok/s over the last "
             f"{p['window_seconds']:.0f} s, ETA {eta}"
@@ -144,7 +144,7 @@ def _summary(job: dict[str, Any]) -> str:
     if job.get("error_uri") and c["failed"]:
         parts.append(f"errors: {job['error_uri']}")
     if job.get("errors"):
-        parts.append("; ".join(e.get("message", "") for e in job["errors"]["data"]))
+        parts.append(printable("; ".join(e.get("message", "") for e in job["errors"]["data"])))
     return "  |  ".join(parts)
 
 
@@ -198,13 +198,14 @@ def no_success_reason(job: dict[str, Any], errors_hint: str) -> str | None:
 
 def _write_lines(lines: Iterable[bytes], path: str | None, *, live: bool = False) -> int:
     """Write to ``path`` (atomically, via a ``.partial`` file) or stdout. ``live`` (for
-    ``--follow``): every line is flushed as it comes, to ``path`` itself, which grows shard by
-    shard."""
+    ``--follow``): every line is flushed as it comes, to ``path`` itself, which grows line by
+    line."""
     count = 0
     if path is None or path == "-":
         out = sys.stdout.buffer
+        terminal = sys.stdout.isatty()
         for line in lines:
-            out.write(line)
+            out.write(json_for_terminal(line) if terminal else line)
             count += 1
             if live or count % 64 == 0:
                 out.flush()
@@ -233,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from conveyor.worker.entrypoints.local_runner import run_job  # the engine (see the module docstring)
 
     began = time.monotonic()
-    settings = load_settings(worker_concurrency=args.concurrency, **_engine_overrides(args))
+    settings = load_settings(worker_concurrency=args.concurrency, **_checked_engine_overrides(args))
     bar = RunProgress()
     started: list[dict[str, Any]] = []
 
@@ -298,6 +299,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     with _client() as client:
+        if not args.allow_unserved:
+            refusal = unserved_refusal(client.db, client.settings, canonical_model(args.model))
+            if refusal is not None:
+                raise UserError(f"{refusal} (--allow-unserved submits the job anyway)")
         job = client.submit(
             args.input,
             args.model,
@@ -345,7 +350,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_concurrency=args.concurrency, model=canonical_model(model),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         drain_timeout_seconds=args.drain_timeout, exit_when_idle_seconds=args.exit_when_idle,
-        cpu_threads=args.cpu_threads, **_engine_overrides(args),
+        cpu_threads=args.cpu_threads, **_checked_engine_overrides(args),
     )  # fmt: skip
     ctx = WorkerContext.create(settings, model)  # checks engine args and the schema up front
     try:
@@ -380,14 +385,22 @@ def _where(settings: Settings) -> str:
     return where
 
 
+def waiting_note(client: Client, job: dict[str, Any]) -> tuple[ModelService | None, str | None]:
+    """Who serves an unfinished ``job``'s model, and what to say while no live worker does
+    (``status`` and ``results --follow`` repeat it); ``(None, None)`` for a job that ended."""
+    if JobStatus(job["status"]).terminal:
+        return None, None
+    service = client.model_service(job["model"])
+    return service, service_note(service, is_declared(client.settings, job["model"]))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with _client() as client:
         try:
             job = client.status(args.job)
         except JobNotFound as exc:
             raise JobNotFound(f"{exc} in {_where(client.settings)}") from None
-        service = None if JobStatus(job["status"]).terminal else client.model_service(job["model"])
-    note = None if service is None else service_note(service, is_declared(client.settings, job["model"]))
+        service, note = waiting_note(client, job)
     if args.json:
         if service is not None:  # an extra field beside OpenAI's: who serves the job's model
             job["serving"] = {**service.as_dict(), "note": note}
@@ -401,38 +414,56 @@ FOLLOW_REPORT_SECONDS = 2.0
 
 
 def cmd_results(args: argparse.Namespace) -> int:
+    if args.unfinished:
+        return _write_unfinished(args)
     with _client() as client:
         last = [-FOLLOW_REPORT_SECONDS]
 
-        def report(index: int, num_shards: int) -> None:
+        def report(state: FollowState) -> None:
             """While following, say on stderr how far the job is (every couple of seconds)."""
             if time.monotonic() - last[0] < FOLLOW_REPORT_SECONDS:
                 return
             last[0] = time.monotonic()
             job = client.status(args.job)
-            if not num_shards:
+            if not state.num_shards:
                 print(f"conveyor: waiting for the job's intake ({job['status']})", file=sys.stderr, flush=True)
-                return
-            text = progress_text(job) or job["status"]
-            print(f"conveyor: waiting for shard {index + 1} of {num_shards}: {text}", file=sys.stderr, flush=True)
+            else:
+                text = progress_text(job) or job["status"]
+                print(f"conveyor: {state.written} lines written; {text}", file=sys.stderr, flush=True)
+            if (note := waiting_note(client, job)[1]) is not None:
+                print(f"conveyor: {note}", file=sys.stderr, flush=True)
 
-        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow, on_wait=report)
+        lines = client.result_bytes(args.job, errors=args.errors, follow=args.follow, order=args.order, on_wait=report)
         if args.format == "parquet":
             return _write_parquet(lines, args)
         _write_lines(lines, args.output, live=args.follow)
     return 0
 
 
-def _write_parquet(lines: Iterable[bytes], args: argparse.Namespace) -> int:
-    from conveyor.worker.batchio.embeddings_parquet import NotEmbeddings, write_embeddings_parquet
+def _write_unfinished(args: argparse.Namespace) -> int:
+    if args.errors or args.follow or args.format != "jsonl":
+        raise UserError(
+            "--unfinished writes the input lines that never ran, as submitted: no --errors, --follow or --format"
+        )
+    with _client() as client:
+        count = _write_lines(client.unfinished_bytes(args.job), args.output)
+    if args.output not in (None, "-"):
+        print(f"conveyor: wrote the unfinished input of {args.job} to {args.output} ({count} lines)", file=sys.stderr)
+    return 0
 
-    if args.output is None or args.errors:
-        raise UserError("--format parquet writes a job's embeddings to a file: give -o FILE (and no --errors)")
+
+def _write_parquet(lines: Iterable[bytes], args: argparse.Namespace) -> int:
+    from conveyor.worker.batchio.answers_parquet import NotAnswers
+    from conveyor.worker.batchio.embeddings_parquet import NotEmbeddings
+    from conveyor.worker.batchio.results_parquet import write_results_parquet
+
+    if args.output is None:
+        raise UserError("--format parquet writes to a file: give -o FILE")
     try:
-        count = write_embeddings_parquet(lines, args.output)
-    except NotEmbeddings as exc:
+        export = write_results_parquet(lines, args.output)
+    except (NotEmbeddings, NotAnswers) as exc:
         raise UserError(f"cannot export as Parquet: {exc}") from None
-    print(f"conveyor: wrote {count} vectors to {args.output}", file=sys.stderr)
+    print(f"conveyor: wrote {export.rows} {export.what} to {args.output}", file=sys.stderr)
     return 0
 
 
@@ -653,16 +684,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -730,9 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="shards run at once, not requests: every request of a running shard goes to the engine, which runs up "
         "to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
     )  # fmt: skip
-    run.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_request_flags(run)
+    add_engine_flags(run)
     run.set_defaults(fn=cmd_run)
 
     submit = sub.add_parser("submit", help="validate and enqueue a job; prints its id")
@@ -750,6 +771,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--completion-window", help="e.g. 24h, 1h, 7d (up to 30d; default CONVEYOR_COMPLETION_WINDOW, 24h)"
     )
+    submit.add_argument(
+        "--allow-unserved", action="store_true",
+        help="submit even when neither CONVEYOR_MODELS nor a live worker names the model (it waits for a worker)",
+    )  # fmt: skip
     submit.add_argument("--json", action="store_true", help=JSON_HELP)
     add_request_flags(submit)
     submit.set_defaults(fn=cmd_submit)
@@ -761,15 +786,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the public name jobs and API batches use for this model (body.model); default: --model itself "
         "(CONVEYOR_SERVED_MODEL_NAME)",
     )
-    worker.add_argument("--model-impl", choices=MODEL_IMPLS, help=MODEL_IMPL_HELP)
     worker.add_argument(
         "--concurrency", type=_positive_int, metavar="SHARDS",
         help="shard tasks at once, not requests: every request of a running shard goes to the engine, which runs "
         "up to its max_num_seqs together (default CONVEYOR_WORKER_CONCURRENCY, 4)",
-    )  # fmt: skip
-    worker.add_argument(
-        "--tensor-parallel-size", type=_at_least_one, metavar="N",
-        help="split the model over N GPUs, one process each (default 1; CONVEYOR_ENGINE_ARGS' tensor_parallel_size)",
     )  # fmt: skip
     worker.add_argument(
         "--cpu-threads", type=_at_least_one, metavar="N",
@@ -792,11 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="drain and exit 0 once no task has come for this long (run-to-completion workers, e.g. a KEDA "
         "ScaledJob; default CONVEYOR_EXIT_WHEN_IDLE_SECONDS: never)",
     )  # fmt: skip
-    worker.add_argument(
-        "--speculative-config", type=_json_object, metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-        '\'{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 3}\' (over CONVEYOR_ENGINE_ARGS)',
-    )  # fmt: skip
+    add_engine_flags(worker)
     worker.set_defaults(fn=cmd_worker)
 
     jobs = sub.add_parser("jobs", help="list jobs, newest first")
@@ -819,12 +835,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         choices=("jsonl", "parquet"),
         default="jsonl",
-        help="jsonl (the results file as it is) or parquet (an embeddings job's vectors: custom_id, index, "
-        "embedding as fixed-size float32 lists; needs -o)",
+        help="jsonl (the file as it is) or parquet (needs -o): an embeddings job's vectors (custom_id, index, "
+        "embedding as fixed-size float32 lists), or one row per answer (custom_id, status, text, reasoning, "
+        "tool_calls, finish_reason, token counts, error)",
     )
     results.add_argument(
         "--follow", action="store_true",
-        help="stream a running job's results as shards finish (to -o FILE as they come), with its progress on stderr",
+        help="stream a running job's results as each line is stored (to -o FILE as they come), with its progress "
+        "on stderr",
+    )  # fmt: skip
+    results.add_argument(
+        "--order", choices=("input", "completion"), default="input",
+        help="with --follow: input (default: the file's order, each line once those before it are stored) or "
+        "completion (each line as it is stored)",
+    )  # fmt: skip
+    results.add_argument(
+        "--unfinished", action="store_true",
+        help="a cancelled or expired job's input lines that never ran, as submitted (a CSV keeps its header): "
+        "submit them again to finish the job",
     )  # fmt: skip
     results.set_defaults(fn=cmd_results)
 
@@ -890,7 +918,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return (
         UserError, ConfigError, InputError, InvalidModel, InvalidJobId, JobNotFound, JobNotFinished, JobFailed,
         SubmitError,
-        NotRetryable, SchemaError, KeyNameError, KeyNotFound, ObjectNotFound, InvalidKey, StorageUnavailable,
+        NotRetryable, NotEnded, NoUnfinished,
+        SchemaError, KeyNameError, KeyNotFound, ObjectNotFound, InvalidKey, StorageUnavailable,
         BrokerUnavailable,
         FileNotFoundError, IsADirectoryError, PermissionError, TimeoutError, ValueError, DBError, BrokerError,
     )  # fmt: skip
@@ -933,13 +962,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug or not isinstance(exc, _user_error_types()):
             if not args.debug:
+                what = printable(str(exc))
                 print(
-                    f"conveyor: internal error: {type(exc).__name__}: {exc} (run with --debug for details)",
+                    f"conveyor: internal error: {type(exc).__name__}: {what} (run with --debug for details)",
                     file=sys.stderr,
                 )
                 return EXIT_ERROR
             raise
-        print(f"conveyor: error: {_describe(exc)}", file=sys.stderr)
+        print(f"conveyor: error: {printable(_describe(exc))}", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from conveyor.worker.batchio.peek import peek
@@ -32,12 +31,21 @@ from conveyor.worker.core.settings import Settings, get_settings
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.expiry import expire_if_due
 from conveyor.worker.jobs.finalize import job_shards
-from conveyor.worker.jobs.lifecycle import cancel_job, get_job, job_model, list_jobs, reopen_unenqueued
+from conveyor.worker.jobs.lifecycle import (
+    NotRetryable,
+    cancel_job,
+    get_job,
+    job_model,
+    list_jobs,
+    reopen_unenqueued,
+)
+from conveyor.worker.jobs.live_lines import FollowState, FollowTarget, IntakeFailed, Order, follow_lines
 from conveyor.worker.jobs.model_names import InvalidModel
 from conveyor.worker.jobs.output_files import ShardSource, iter_job_output, iter_lines
 from conveyor.worker.jobs.submission import SubmitOptions, submit_job
+from conveyor.worker.jobs.unfinished_reads import open_unfinished
 from conveyor.worker.store.database import create_db_engine
-from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus
+from conveyor.worker.store.models import JobStatus
 from conveyor.worker.store.objects.base import ObjectNotFound, ObjectStore
 from conveyor.worker.store.objects.factory import open_store_from_settings
 from conveyor.worker.store.schema import ensure_schema
@@ -185,6 +193,12 @@ class Client:
         """Enqueue again a job whose shards could not be enqueued (the broker was down when it
         was submitted), from its stored input: nothing is uploaded again."""
         check_broker(self.app)
+        job_store = self.store.scoped(object_keys.job_prefix(job_id))
+        if JobStatus(get_job(self.db, job_id)["status"]) is JobStatus.failed and not any(job_store.list("shards/")):
+            raise NotRetryable(
+                f"job {job_id} cannot be retried: its shards were deleted "
+                f"{self.settings.storage_grace_seconds:.0f} s after it failed (CONVEYOR_STORAGE_GRACE_SECONDS)"
+            )
         indices = reopen_unenqueued(self.db, job_id)
         queue = queue_name(job_model(self.db, job_id), self.settings.queue_prefix)
         enqueue_shards(self.app, queue, job_id, indices)
@@ -230,19 +244,27 @@ class Client:
 
     # ---- results ------------------------------------------------------------------------
 
+    def unfinished_bytes(self, job_id: str) -> Iterator[bytes]:
+        """A cancelled or expired job's input lines that never ran, as submitted (a CSV with its
+        header; Parquet as a file's chunks), ready to submit again; nothing for a completed job.
+        ``NotEnded`` while the job runs."""
+        return iter_lines(open_unfinished(self.db, self.store, job_id))
+
     def result_bytes(
         self,
         job_id: str,
         errors: bool = False,
         *,
         follow: bool = False,
+        order: Order | str = Order.input,
         poll: float = 0.5,
-        on_wait: Callable[[int, int], None] | None = None,
+        on_wait: Callable[[FollowState], None] | None = None,
     ) -> Iterator[bytes]:
         """The results (or errors) file's lines as bytes. A finished job's come from its
-        file; with ``follow`` a running job's come shard by shard as they finish (the same
-        lines, in the same order, as the file will hold), and ``on_wait(shard_index,
-        num_shards)`` is called at each poll while the next shard runs."""
+        file; with ``follow`` a running job's come as each item is stored
+        (``conveyor.worker.jobs.live_lines``): in ``order`` ``input``, the same lines in the
+        same order as the file will hold, each once the lines before it are stored; in
+        ``completion``, each as it is stored. ``on_wait(state)`` is called at each poll."""
         job = get_job(self.db, job_id)
         status = JobStatus(job["status"])
         if status is JobStatus.failed:
@@ -251,22 +273,36 @@ class Client:
                 f"job {job_id} failed before running any request, so it has no results or errors file: "
                 f"{reasons} (conveyor status {job_id} shows the job)"
             )
-        job_store = self.store.scoped(object_keys.job_prefix(job_id))
-        final_key = object_keys.ERRORS if errors else object_keys.RESULTS
-        if status.terminal and (job["error_uri"] if errors else job["output_uri"]):
-            try:
-                return iter_lines(job_store.open_read(final_key))
-            except ObjectNotFound:
-                pass
-        source = ShardSource.of_job(self.db, job_store, job_id)
         if status.terminal:
-            return iter_job_output(source, job_shards(self.db, job_id), errors=errors)
+            return self._ended_lines(job_id, job, errors)
         if not follow:
             raise JobNotFinished(
                 f"job {job_id} is {status.value}; its results are ready when it completes "
-                "(wait for it, or follow the results as shards finish)"
+                "(wait for it, or follow the results as they are stored)"
             )
-        return iter_job_output(source, self._follow_shards(job_id, poll, on_wait), errors=errors)
+        target = FollowTarget(self.db, self.store.scoped(object_keys.job_prefix(job_id)), job_id, errors)
+
+        def final_lines() -> Iterator[bytes]:
+            return self._ended_lines(job_id, get_job(self.db, job_id), errors)
+
+        def on_poll(state: FollowState) -> None:
+            self._expire_if_due(job_id)  # its window may pass while we follow
+            if on_wait is not None:
+                on_wait(state)
+
+        lines = follow_lines(target, final_lines, order=Order(order), poll=poll, on_poll=on_poll)
+        return _intake_failures_named(lines)
+
+    def _ended_lines(self, job_id: str, job: dict[str, Any], errors: bool) -> Iterator[bytes]:
+        """An ended job's results (or errors) lines: its file, or (not written) its items."""
+        job_store = self.store.scoped(object_keys.job_prefix(job_id))
+        if job["error_uri"] if errors else job["output_uri"]:
+            try:
+                return iter_lines(job_store.open_read(object_keys.ERRORS if errors else object_keys.RESULTS))
+            except ObjectNotFound:
+                pass
+        source = ShardSource.of_job(self.db, job_store, job_id)
+        return iter_job_output(source, job_shards(self.db, job_id), errors=errors)
 
     def results(
         self,
@@ -274,11 +310,12 @@ class Client:
         errors: bool = False,
         *,
         follow: bool = False,
+        order: Order | str = Order.input,
         to: str | os.PathLike[str] | BinaryIO | None = None,
     ) -> Iterator[str] | int:
         """Lines of the results (or errors) file as ``str`` (no newline); with ``to`` (a path
         or binary file) the lines are written there instead and their count returned."""
-        lines = self.result_bytes(job_id, errors, follow=follow)
+        lines = self.result_bytes(job_id, errors, follow=follow, order=order)
         if to is None:
             return (line.decode("utf-8").rstrip("\n") for line in lines)
         count = 0
@@ -293,32 +330,12 @@ class Client:
             count += 1
         return count
 
-    def _follow_shards(
-        self, job_id: str, poll: float, on_wait: Callable[[int, int], None] | None = None
-    ) -> Iterator[tuple[int, bool]]:
-        """Each shard's index as it ends. While the job's input is still being taken in (a batch
-        created through the API or the broker: intake runs on a worker) its shards are not known
-        yet: wait for them rather than end with nothing; an intake that fails the job raises."""
-        done = (ShardStatus.completed, ShardStatus.failed, ShardStatus.cancelled)
-        index = 0
-        while True:
-            with self.db.connect() as conn:
-                num, status = conn.execute(select(Job.num_shards, Job.status).where(Job.id == job_id)).one()
-                if JobStatus(status) is JobStatus.failed and not num:
-                    raise JobFailed(f"job {job_id} failed during intake: conveyor status {job_id} says why")
-                if index >= num and JobStatus(status) is not JobStatus.validating:
-                    return
-                row = conn.execute(
-                    select(Shard.status, Shard.output_uri).where(Shard.job_id == job_id, Shard.shard_index == index)
-                ).one_or_none()
-            if row is not None and ShardStatus(row.status) in done:
-                yield index, row.output_uri is not None
-                index += 1
-                continue
-            self._expire_if_due(job_id)  # its window may pass while we follow
-            if on_wait is not None:
-                on_wait(index, num)
-            time.sleep(poll)
+
+def _intake_failures_named(lines: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        yield from lines
+    except IntakeFailed as exc:
+        raise JobFailed(str(exc)) from None
 
 
 def _open_input(source: InputSource) -> tuple[BinaryIO, str]:

@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from conveyor.worker.batchio.input_check import check_input_start
+from conveyor.worker.batchio.records import InputFormat
 from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.entrypoints.client import Client, InputSource
@@ -85,8 +87,13 @@ def run_job(
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
     if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
         raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
-    # Bad options are named before the model loads (seconds to minutes).
-    RequestOptions.from_fields(**(submit_options or {})).check(settings.input_limits())
+    # Bad options, and an input whose start shows it cannot be a job (a CSV header without a
+    # prompt column), are named before the model loads (seconds to minutes).
+    request_options = RequestOptions.from_fields(**(submit_options or {}))
+    request_options.check(settings.input_limits())
+    if isinstance(source, (str, os.PathLike)):
+        fmt = InputFormat(input_format) if input_format is not None else None
+        check_input_start(Path(source).expanduser(), settings.input_limits(), fmt, request_options)
     client = Client(settings)
     ctx: WorkerContext | None = None
     try:
@@ -150,6 +157,7 @@ def _run_shards(
         for future in futures:
             future.result()
     except KeyboardInterrupt:
+        ctx.abort_running_on_cancel = True  # the user wants out now, not after the running lines
         client.cancel(job["id"])
         raise
     finally:

@@ -16,7 +16,9 @@ def embedding_record(ctx: ItemContext, req: ParsedRequest, completion: Completio
     """The item for an embeddings request the engine finished (or refused: a model that
     cannot embed refuses every input with its reason)."""
     if completion.rejected:
-        return error_record(ctx, req, code="invalid_request", message=completion.error or "rejected", status_code=400)
+        return error_record(
+            ctx, req, code=completion.code or "invalid_request", message=completion.error or "rejected", status_code=400
+        )
     failed = next((o for o in completion.outputs if o.finish_reason == "error" or o.embedding is None), None)
     if failed is not None:
         return error_record(

@@ -10,6 +10,11 @@ fails every in-flight future with ``EngineFailure`` (none is left hanging) and t
 goes on with new requests, unless the engine can run no further step (``EngineDeadError``,
 a tensor-parallel rank died): then the process exits, as after a crash.
 
+Before that, a request's inputs are prepared on the threads of an ``InputStage`` (chat template,
+tokenising, grammar compile: ``LLMEngine.prepare_input``), never on the loop thread, so one
+line's slow input stalls no step; a line whose inputs are refused resolves with its error
+code (``prompt_too_long``, ``grammar_too_complex``) and never takes a place in the engine.
+
 Requests reach the engine through a ``FairFeed``: the loop holds them and passes them on
 while the engine has fewer unfinished sequences than its ``max_num_seqs``, the next one from
 the owner with the fewest in the engine, so one owner's backlog never stands in the
@@ -29,8 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.engine import EngineConfig, EngineDeadError, LLMEngine, RequestOutput, SamplingParams
+from conveyor.engine.inputs.errors import InputRejected, error_code
 from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.execution.fair_feed import FairFeed, OwnerLoad
+from conveyor.worker.execution.input_stage import InputStage
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,9 @@ class Completion:
     rejected: bool = False
     error: str | None = None
     aborted_before_start: bool = False
+    # Why it was rejected, as a result line's error code: ``invalid_request``,
+    # ``prompt_too_long`` or ``grammar_too_complex``.
+    code: str | None = None
 
     @property
     def aborted(self) -> bool:
@@ -126,6 +136,9 @@ class _Submission:
     deadline: float | None
     on_done: Callable[[RequestHandle], None] | None
     owner: str = ""
+    # Set by the input stage: the engine's prepared inputs (one per prompt), or why they failed.
+    prepared: list[Any] | None = None
+    refusal: Exception | None = None
 
     @property
     def engine_ids(self) -> list[str]:
@@ -157,6 +170,7 @@ class EngineHost:
         stats_interval: float = 0.5,
         name: str = "conveyor-engine",
         step_timeout: float | None = None,
+        input_threads: int = 2,
     ) -> None:
         self._engine = engine
         # When the loop thread's current engine work began (None while it waits): what the
@@ -173,7 +187,7 @@ class EngineHost:
         self._stats_interval = stats_interval
         self._cv = threading.Condition()
         self._inbox: list[_Submission] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, bool]] = []  # (request id, only if it has not started)
         self._closing = False
         self._ids = itertools.count()
         self._prefix = f"h{os.getpid()}-{id(self) & 0xFFFF:x}-"
@@ -189,6 +203,17 @@ class EngineHost:
         self._finished = 0
         self._stats = HostStats(None, 0, 0, 0, 0.0)
         self._stats_at = 0.0
+        # Submissions handed to the input stage and not yet taken in by the loop, and aborts
+        # that arrived while one was being prepared (resolved when it comes back).
+        self._in_stage: set[str] = set()
+        self._aborted_in_stage: set[str] = set()  # loop thread only
+        # An engine that prepares inputs apart (``LLMEngine``; a test's stand-in may not);
+        # ``input_threads=0``: on the loop thread, as ``add_request`` does by itself.
+        self._stage: InputStage[_Submission, list[Any]] | None = (
+            InputStage(self._prepare, self._prepared, threads=input_threads, name=f"{name}-input")
+            if input_threads > 0 and callable(getattr(engine, "prepare_input", None))
+            else None
+        )
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -236,17 +261,29 @@ class EngineHost:
         with self._cv:
             if self._closing:
                 raise HostClosed("the engine host is shut down")
-            self._inbox.append(sub)
             self._submitted += 1
-            self._cv.notify()
+            if self._stage is None:
+                self._inbox.append(sub)
+                self._cv.notify()
+                return handle
+            self._in_stage.add(handle.request_id)
+        self._stage.put(handle.request_id, owner, sub, priority=priority, deadline=deadline)
         return handle
 
     def abort(self, handle: RequestHandle | str) -> None:
         """Stop a request; its future resolves with ``finish_reason == "abort"`` outputs
         (or outputs that finished first). Unknown or finished requests are ignored."""
+        self._stop(handle, running_too=True)
+
+    def withdraw(self, handle: RequestHandle) -> None:
+        """Abort a request only if it has not reached the engine yet (being prepared or
+        waiting in the feed); one the engine runs finishes as it would have."""
+        self._stop(handle, running_too=False)
+
+    def _stop(self, handle: RequestHandle | str, *, running_too: bool) -> None:
         request_id = handle if isinstance(handle, str) else handle.request_id
         with self._cv:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, running_too))
             self._cv.notify()
 
     def stats(self) -> HostStats:
@@ -260,6 +297,9 @@ class EngineHost:
         with self._cv:
             self._closing = True
             self._cv.notify()
+        if self._stage is not None:
+            for sub in self._stage.close():
+                self._resolve(sub, HostClosed("the engine host shut down before the request finished"))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -281,16 +321,21 @@ class EngineHost:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
-            pending_aborts = set(aborts)
+            pending_aborts: dict[str, bool] = {}
+            for request_id, running_too in aborts:
+                pending_aborts[request_id] = pending_aborts.get(request_id, False) or running_too
             self._working_since = time.monotonic()
             for sub in inbox:
-                self._feed.put(sub.handle.request_id, sub.owner, sub, priority=sub.priority, deadline=sub.deadline)
-            for request_id in pending_aborts:
+                self._take_in(sub)
+            for request_id, running_too in pending_aborts.items():
                 held = self._feed.remove(request_id)
                 if held is not None:  # aborted before it ever ran
                     self._resolve(held, Completion(request_id, aborted_before_start=True))
                 elif request_id in self._live:
-                    self._engine_call(self._engine.abort_request, self._live[request_id].submission.engine_ids)
+                    if running_too:
+                        self._engine_call(self._engine.abort_request, self._live[request_id].submission.engine_ids)
+                else:
+                    self._abort_in_stage(request_id)
             self._admit()
             if self._engine_has_work():
                 self._step()
@@ -298,6 +343,64 @@ class EngineHost:
             self._working_since = None
             self._refresh_stats(force=not busy)
         self._shutdown(inbox)
+
+    # ---- the input stage's threads ------------------------------------------------------
+
+    def _prepare(self, sub: _Submission) -> list[Any]:
+        """``sub``'s prompts prepared by the engine (on an input thread)."""
+        prompts = sub.prompt.prompts if isinstance(sub.prompt, PromptList) else [sub.prompt]
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            try:
+                prepared.append(self._engine.prepare_input(prompt, sub.params))
+            except ValueError as exc:
+                if not isinstance(sub.prompt, PromptList):
+                    raise
+                raise InputRejected(f"input[{i}]: {exc}", error_code(exc)) from None
+        return prepared
+
+    def _prepared(self, sub: _Submission, prepared: list[Any] | None, error: Exception | None) -> None:
+        sub.prepared, sub.refusal = prepared, error
+        with self._cv:
+            closing = self._closing
+            if not closing:
+                self._inbox.append(sub)
+                self._cv.notify()
+        if closing:
+            self._resolve(sub, HostClosed("the engine host shut down before the request finished"))
+
+    # ---- the loop thread, continued -------------------------------------------------------
+
+    def _take_in(self, sub: _Submission) -> None:
+        """A submission arrives (prepared, when there is an input stage): into the feed, or
+        resolved now when its inputs were refused or it was aborted while being prepared."""
+        rid = sub.handle.request_id
+        with self._cv:
+            self._in_stage.discard(rid)
+        if rid in self._aborted_in_stage:
+            self._aborted_in_stage.discard(rid)
+            self._resolve(sub, Completion(rid, aborted_before_start=True))
+        elif isinstance(sub.refusal, ValueError):
+            self._resolve(sub, Completion(rid, rejected=True, error=str(sub.refusal), code=error_code(sub.refusal)))
+        elif sub.refusal is not None:
+            log.error("preparing a request failed", exc_info=sub.refusal)
+            exc = sub.refusal
+            self._resolve(sub, EngineFailure(f"the engine failed to prepare the request: {type(exc).__name__}: {exc}"))
+        else:
+            self._feed.put(rid, sub.owner, sub, priority=sub.priority, deadline=sub.deadline)
+
+    def _abort_in_stage(self, request_id: str) -> None:
+        with self._cv:
+            in_stage = request_id in self._in_stage
+        if not in_stage or self._stage is None:
+            return  # unknown or finished: ignored
+        waiting = self._stage.remove(request_id)
+        if waiting is not None:
+            with self._cv:
+                self._in_stage.discard(request_id)
+            self._resolve(waiting, Completion(request_id, aborted_before_start=True))
+        else:  # being prepared, or back in the inbox: resolved as aborted when taken in
+            self._aborted_in_stage.add(request_id)
 
     def _exit_if_hung(self) -> None:
         since, limit = self._working_since, self._step_timeout
@@ -346,7 +449,11 @@ class EngineHost:
         rid = sub.handle.request_id
         _crash_if_poison(sub.prompt)
         many = isinstance(sub.prompt, PromptList)
-        prompts = sub.prompt.prompts if isinstance(sub.prompt, PromptList) else [sub.prompt]
+        prompts: list[Any]
+        if sub.prepared is not None:
+            prompts = sub.prepared
+        else:
+            prompts = sub.prompt.prompts if isinstance(sub.prompt, PromptList) else [sub.prompt]
         added: list[str] = []
         try:
             for engine_id, prompt in zip(sub.engine_ids, prompts, strict=True):
@@ -356,7 +463,7 @@ class EngineHost:
             if added:  # their abort outputs come back unclaimed, and are skipped
                 self._engine_call(self._engine.abort_request, added)
             message = f"input[{len(added)}]: {exc}" if many else str(exc)
-            self._resolve(sub, Completion(rid, rejected=True, error=message))
+            self._resolve(sub, Completion(rid, rejected=True, error=message, code=error_code(exc)))
             return False
         except Exception as exc:
             log.exception("engine.add_request failed")
@@ -417,8 +524,14 @@ class EngineHost:
         engine_stats = self._engine_call(self._engine.stats)
         owners = tuple(self._feed.loads())
         with self._cv:
+            preparing = len(self._in_stage)
             self._stats = HostStats(
-                engine_stats, len(self._live) + len(self._feed), self._submitted, self._finished, time.time(), owners
+                engine_stats,
+                len(self._live) + len(self._feed) + preparing,
+                self._submitted,
+                self._finished,
+                time.time(),
+                owners,
             )
 
     def _shutdown(self, inbox: list[_Submission]) -> None:

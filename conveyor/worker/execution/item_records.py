@@ -11,6 +11,8 @@ from typing import Any
 
 from conveyor.engine import RequestOutput, SamplingParams
 from conveyor.engine.token_pieces import TokenPieces
+from conveyor.worker.batchio.anthropic_body import MESSAGES
+from conveyor.worker.batchio.anthropic_message import MessageOutput, message_object
 from conveyor.worker.batchio.output_lines import Choice, response_body, stable_id
 from conveyor.worker.batchio.records import ParsedRequest
 from conveyor.worker.batchio.request_body import CHAT
@@ -102,7 +104,9 @@ def completion_record(
     """The stored item for a request the engine finished (or refused). ``decode`` gives the
     text of a prompt sent as token ids, for ``echo``."""
     if completion.rejected:
-        return error_record(ctx, req, code="invalid_request", message=completion.error or "rejected", status_code=400)
+        return error_record(
+            ctx, req, code=completion.code or "invalid_request", message=completion.error or "rejected", status_code=400
+        )
     outputs = completion.outputs
     failed = next((o for o in outputs if o.finish_reason == "error"), None)
     if failed is not None:
@@ -134,6 +138,14 @@ def completion_record(
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     if req.endpoint == RESPONSES:
         body = _response_object(ctx, req, choices[0], prompt_tokens, completion_tokens, first.num_cached_tokens)
+    elif req.endpoint == MESSAGES:
+        out = MessageOutput(
+            message_id=stable_id("msg_", ctx.job_id, req.custom_id), model=ctx.model, text=choices[0].text,
+            reasoning=choices[0].reasoning, tool_calls=choices[0].tool_calls, finish_reason=choices[0].finish_reason,
+            stop_reason=first.stop_reason, prompt_tokens=prompt_tokens, cached_tokens=first.num_cached_tokens,
+            output_tokens=completion_tokens,
+        )  # fmt: skip
+        body = message_object(out, (req.echoed or {}).get("stop_sequences", ()))
     else:
         prefix = "chatcmpl-" if req.endpoint == CHAT else "cmpl-"
         body = response_body(
@@ -175,10 +187,11 @@ def completion_record(
 def _split_reasoning(c: Choice, out: RequestOutput, reasoning: Reasoning) -> Choice:
     """A chat sample's thinking apart from its answer (tool calls are then read from the
     answer only), with the count of its thinking tokens."""
+    text = reasoning.visible(c.text)
     opened = reasoning.parser.opened_in_prompt(out.prompt)
-    split = reasoning.parser.split(c.text, opened_in_prompt=opened)
-    if split.reasoning is None and split.content == c.text:
-        return c
+    split = reasoning.parser.split(text, opened_in_prompt=opened)
+    if split.reasoning is None and split.content == text:
+        return c if text == c.text else dataclasses.replace(c, text=text)
     tokens = reasoning.reasoning_tokens(out.token_ids, split.reasoning)
     return dataclasses.replace(c, text=split.content, reasoning=split.reasoning, reasoning_tokens=tokens)
 

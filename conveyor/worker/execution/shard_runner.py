@@ -6,10 +6,10 @@ runs, a background thread renews the lease. Items already stored (an earlier att
 that far) are skipped; all the others go into the shared engine host at once, next to the
 items of every other shard this process runs. Finished items are written in batches
 (``item_commit_batch`` items or ``item_commit_interval_seconds``, whichever comes first).
-Every ``cancel_poll_seconds`` the job's status is read: on a cancel the shard aborts its
-in-flight items and stops, keeping what finished. At the end the shard's part files are
-written from the database, the lease is released, and whoever finishes the job's last
-shard finalises the job.
+Every ``cancel_poll_seconds`` the job's status is read: on a cancel the shard withdraws the
+items the engine has not started, lets those it runs finish (they are kept), and stops.
+At the end the shard's part files are written from the database, the lease is released,
+and whoever finishes the job's last shard finalises the job.
 
 Three kinds of trouble, three answers, and only the second is ever the items' fault:
 
@@ -69,6 +69,7 @@ from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.cache_salt import cache_salt
 from conveyor.worker.jobs.finalize import finalize_if_ready
 from conveyor.worker.jobs.output_files import write_shard_parts
+from conveyor.worker.jobs.shard_choice import another_owner_waiting
 from conveyor.worker.store.crashes import crash_counts, set_solo_item
 from conveyor.worker.store.database import make_sessionmaker
 from conveyor.worker.store.items import ItemRecord, record_finished_items, record_shard_counts, stored_custom_ids
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STOPPING = (JobStatus.cancelling, JobStatus.cancelled, JobStatus.failed, JobStatus.expired)
-DRAIN_SECONDS = 30.0  # how long a cancelled shard waits for its aborted items to come back
+DRAIN_SECONDS = 30.0  # how long a shard that aborted its running items waits for them to come back
 HAND_BACK_WAIT_SECONDS = 2.0  # how long a shard handed back waits for its aborted items
 
 
@@ -113,6 +114,11 @@ class _Order:
 ANOTHER_HOLDS_IT = "another worker holds the lease"
 
 
+def shard_label(job_id: str, shard_index: int) -> str:
+    """A shard's name in logs, and in ``OwnerSlots``' record of the shard giving its place back."""
+    return f"shard {job_id}/{shard_index}"
+
+
 @dataclass(frozen=True)
 class ShardOutcome:
     job_id: str
@@ -121,11 +127,12 @@ class ShardOutcome:
     items: int = 0  # items newly stored by this run
     finalized: bool = False
     reason: str = ""
+    yielded: bool = False  # handed back to give its place to another owner's work
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id, "shard_index": self.shard_index, "status": self.status,
-            "items": self.items, "finalized": self.finalized, "reason": self.reason,
+            "items": self.items, "finalized": self.finalized, "reason": self.reason, "yielded": self.yielded,
         }  # fmt: skip
 
 
@@ -199,10 +206,11 @@ class ShardRunner:
     def __init__(self, ctx: WorkerContext, job_id: str, shard_index: int) -> None:
         self.ctx, self.job_id, self.index = ctx, job_id, shard_index
         self.owner = new_lease_owner()
-        self.name = f"shard {job_id}/{shard_index}"
+        self.name = shard_label(job_id, shard_index)
         self._handles: dict[str, RequestHandle] = {}
         self._cancelled = False  # the job was cancelled: aborted items are not results
         self._handing_back = False  # the worker is stopping: aborted items are not results either
+        self._yielding = False  # handing back to give the place to another owner (the worker stays)
         self._buffer = _ItemBuffer(ctx)  # kept across retries: finished items survive an outage
         self._item_ctx = ItemContext(job_id, ctx.model, shard_index, ctx.worker_id)
         self._flush_after = 0.0
@@ -296,9 +304,11 @@ class ShardRunner:
             lambda: release_lease(self.ctx.db, self.job_id, self.index, self.owner, ShardStatus.pending),
             holding=True,
         )
-        log.info("%s: handed back (the worker is stopping); %d items stored by it", self.name, self._buffer.stored)
-        reason = "the worker is stopping" if released else "the worker is stopping (the lease was gone)"
-        return self._outcome("handed_back", self._buffer.stored, reason)
+        why = "its place went to another owner" if self._yielding else "the worker is stopping"
+        log.info("%s: handed back (%s); %d items stored by it", self.name, why, self._buffer.stored)
+        reason = why if released else f"{why} (the lease was gone)"
+        outcome = self._outcome("handed_back", self._buffer.stored, reason)
+        return dataclasses.replace(outcome, yielded=self._yielding)
 
     def _shard(self) -> Shard:
         with make_sessionmaker(self.ctx.db)() as session:
@@ -459,13 +469,28 @@ class ShardRunner:
                 next_poll = time.monotonic() + s.cancel_poll_seconds
                 if not self._cancelled and self._job_stopping():
                     log.info(
-                        "job %s cancelled: aborting %d items of shard %d", self.job_id, len(self._handles), self.index
+                        "job %s cancelled: withdrawing the items of shard %d not yet running, of %d left",
+                        self.job_id,
+                        self.index,
+                        len(self._handles),
                     )
                     self._cancelled = True
-                    self._abort_all()
-                    drain_deadline = time.monotonic() + DRAIN_SECONDS
-            if not self._handing_back and not self._cancelled and ctx.state.hand_back_due():
-                log.info("%s: the worker is stopping: aborting its %d running items", self.name, len(self._handles))
+                    if ctx.abort_running_on_cancel:
+                        self._abort_all()
+                        drain_deadline = time.monotonic() + DRAIN_SECONDS
+                    # Those the engine runs finish and are kept; the rest come back aborted.
+                    for handle in self._handles.values():
+                        host.withdraw(handle)
+                if not self._handing_back and not self._cancelled and self._place_owed(order.owner):
+                    log.info(
+                        "%s: owner holds every place while another owner's work waits: handing back %d items",
+                        self.name,
+                        len(self._handles),
+                    )
+                    self._yielding = True
+            if not self._handing_back and not self._cancelled and (self._yielding or ctx.state.hand_back_due()):
+                if not self._yielding:
+                    log.info("%s: the worker is stopping: aborting its %d running items", self.name, len(self._handles))
                 self._handing_back = True
                 for handle in self._handles.values():  # kept: those that finished first still come back
                     host.abort(handle)
@@ -504,6 +529,25 @@ class ShardRunner:
         if req.inputs is not None:
             return embedding_record(self._item_ctx, req, completion)
         return completion_record(self._item_ctx, req, completion, pieces, decode, self._reasoning)
+
+    def _place_owed(self, owner: str) -> bool:
+        """Whether this shard should give its place back: its owner holds every place of the
+        worker while another owner has a shard of the model waiting (then this shard begins
+        the process's one yield; ``OwnerSlots.end_yield`` is called by the turn)."""
+        ctx = self.ctx
+        slots = ctx.owner_slots
+        if not slots.holds_every_place(owner, ctx.settings.worker_concurrency) or not slots.begin_yield(self.name):
+            return False
+        try:
+            waiting = another_owner_waiting(ctx.db, ctx.model, owner)
+        except Exception as exc:
+            if ctx.gate.report(exc) is None:
+                slots.end_yield(self.name, owner, gave_back=False)
+                raise
+            waiting = False  # the database is down: look again next time
+        if not waiting:
+            slots.end_yield(self.name, owner, gave_back=False)
+        return waiting
 
     def _job_stopping(self) -> bool:
         try:

@@ -5,6 +5,8 @@ the last shard, or the canceller); ``finalize_job`` writes both files as streame
 (multipart) uploads, stores the aggregate metrics and sets the final status. It is
 idempotent: a finaliser that died half-way is replaced by another (the sweeper notices a
 ``finalizing`` job whose ``updated_at`` heartbeat went stale), which rewrites the same bytes.
+Only once the job's end is committed are its working objects (shards, parts) deleted
+(``working_objects``): a finaliser that dies before leaves them for the next one.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from sqlalchemy import exists, select, update
 from sqlalchemy.engine import Engine
 
 from conveyor.worker.jobs import object_keys
-from conveyor.worker.jobs.expired_items import record_expired_items
 from conveyor.worker.jobs.files import OutputFile, record_output_files
 from conveyor.worker.jobs.output_files import ShardSource, copy_lines, iter_job_output
+from conveyor.worker.jobs.unfinished import write_unfinished
+from conveyor.worker.jobs.unrun_items import CANCELLED, EXPIRED, record_unrun_items
+from conveyor.worker.jobs.working_objects import discard_working_objects
 from conveyor.worker.store.items import refresh_job_counts, summarize_job
 from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus, now
 from conveyor.worker.store.objects.base import ObjectStore
@@ -106,8 +110,10 @@ def finalize_job(
         return None
     final = _final_status(JobStatus(job.status), expired=job.expired_at is not None)
     job_store = root_store.scoped(object_keys.job_prefix(job_id))
-    if final is JobStatus.expired:  # every request not finished is reported, as OpenAI does
-        record_expired_items(db, job_store, job_id)
+    if final is not JobStatus.completed:  # every request not finished is reported, as OpenAI does
+        record_unrun_items(db, root_store, job_id, EXPIRED if final is JobStatus.expired else CANCELLED)
+        if job.owner is None:  # an owner's are read from its input file when asked: nothing uncounted is kept
+            write_unfinished(db, root_store, job_id)
     refresh_job_counts(db, job_id)
     summarize_job(db, job_id)
     source = ShardSource.of_job(db, job_store, job_id)
@@ -119,11 +125,15 @@ def finalize_job(
     with job_store.open_write(object_keys.ERRORS) as out:
         n_errors = copy_lines(iter_job_output(source, shards, errors=True), out.write, beat)
     errors = OutputFile(job_store.uri(object_keys.ERRORS), out.bytes_written, n_errors)
+    # A batch of the HTTP API keeps an output file only if it holds lines (it is a Files
+    # object, counted against its owner's stored bytes); conveyor submit's jobs keep both.
+    counts = ((object_keys.RESULTS, n_results), (object_keys.ERRORS, n_errors))
+    empty = [key for key, n in counts if not n] if job.input_file_id is not None else []
     t = now()
     values: dict[str, object] = {
         "status": final,
-        "output_uri": results.uri,
-        "error_uri": errors.uri,
+        "output_uri": None if object_keys.RESULTS in empty else results.uri,
+        "error_uri": None if object_keys.ERRORS in empty else errors.uri,
         "updated_at": t,
     }
     if final is not JobStatus.expired:  # (an expired job's expired_at is when it expired)
@@ -139,6 +149,8 @@ def finalize_job(
             record_output_files(conn, job_id, job.owner, results, errors)
     if done:
         log.info("job %s %s: %d results, %d errors", job_id, final.value, n_results, n_errors)
+    # Ended now (by this call or another): what the files were built from can go.
+    discard_working_objects(root_store, job_id, also=empty)
     return FinalizeResult(job_id, final, n_results, n_errors)
 
 

@@ -65,11 +65,14 @@ def list_jobs(
 
 
 def cancel_job(db: Engine, store: ObjectStore, job_id: str, *, heartbeat_seconds: float = 10.0) -> dict[str, Any]:
-    """Stop a job: no new shard starts, running shards abort their in-flight items within
-    ``cancel_poll_seconds``, results so far are kept. Idempotent; a finished job is left as is."""
+    """Stop a job: no new shard starts, running shards withdraw the items the engine has not
+    started within ``cancel_poll_seconds`` (those it runs finish and are kept), results so far
+    are kept and every request not run becomes a ``batch_cancelled`` error. Idempotent; a
+    finished job is left as is. The batch object shows the counts so far while it is
+    ``cancelling``."""
     request_cancel(db, job_id)
     finish_cancel(db, store, job_id, heartbeat_seconds=heartbeat_seconds)
-    return get_job(db, job_id)
+    return get_job(db, job_id, refresh=True)
 
 
 def request_cancel(db: Engine, job_id: str) -> None:

@@ -8,6 +8,7 @@
     jobs/<id>/parts/results-000000.jsonl     a finished shard's results, in input order
     jobs/<id>/results.jsonl                  the job's results file (all parts, in order)
     jobs/<id>/errors.jsonl                   the job's errors file, in input-line order
+    jobs/<id>/unfinished.jsonl | .csv        a stopped job's unrun input lines, as submitted
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def job_prefix(job_id: str) -> str:
 
 def input_key(input_format: str) -> str:
     return {"csv": "input.csv", "parquet": "input.parquet"}.get(input_format, "input.jsonl")
+
+
+def unfinished_key(input_format: str) -> str:
+    """A cancelled or expired job's input lines that never ran, in the input's own format."""
+    return {"csv": "unfinished.csv", "parquet": "unfinished.parquet"}.get(input_format, "unfinished.jsonl")
 
 
 def shard_input_key(shard_index: int) -> str:

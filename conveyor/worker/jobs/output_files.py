@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from conveyor.worker.batchio.output_lines import BATCH_EXPIRED, dumps_line, error_line, failed_request_line, output_line
+from conveyor.worker.batchio.output_lines import UNRUN_CODES, dumps_line, error_line, failed_request_line, output_line
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.store.models import Item, ItemStatus, Job
 from conveyor.worker.store.objects.base import ObjectNotFound, ObjectStore
@@ -34,14 +34,14 @@ _ROWS_PER_FETCH = 1000
 def item_line(job_id: str, row: Any) -> bytes:
     """The results-file (succeeded) or errors-file (failed) line of a stored item. A failed
     item ran and got an HTTP error (its ``status_code``, 4xx or 5xx), except a
-    ``batch_expired`` one, which never ran: its line has no response, as OpenAI's has none."""
+    ``batch_expired`` or ``batch_cancelled`` one, which never ran: its line has no response, as
+    OpenAI's has none."""
     if ItemStatus(row.status) is ItemStatus.succeeded:
         return dumps_line(output_line(job_id, row.custom_id, row.response or {}, row.status_code))
     err = row.error or {}
-    if err.get("code") == BATCH_EXPIRED:
-        return dumps_line(
-            error_line(job_id, row.custom_id, code=BATCH_EXPIRED, message=str(err.get("message") or ""), line=row.line)
-        )
+    if (code := err.get("code")) in UNRUN_CODES:
+        message = str(err.get("message") or "")
+        return dumps_line(error_line(job_id, row.custom_id, code=code, message=message, line=row.line))
     # (A failed item stored without an error status counts as a server error.)
     status_code = row.status_code if 400 <= row.status_code < 600 else 500
     return dumps_line(
@@ -110,14 +110,23 @@ class ShardSource:
     the DB; failed items from the DB, with their input lines. ``by_line``: the job's shards
     are sets of lines (grouped by prefix), so its output is read by line, job-wide."""
 
-    def __init__(self, db: Engine, job_store: ObjectStore, job_id: str, *, by_line: bool = False) -> None:
+    def __init__(
+        self, db: Engine, job_store: ObjectStore, job_id: str, *, by_line: bool = False, invalid_lines: int = 0
+    ) -> None:
         self.db, self.job_store, self.job_id, self.by_line = db, job_store, job_id, by_line
+        self.invalid_lines = invalid_lines  # lines rejected at validation: ``invalid.jsonl`` must hold them
 
     @classmethod
     def of_job(cls, db: Engine, job_store: ObjectStore, job_id: str) -> ShardSource:
         with db.connect() as conn:
-            order = conn.execute(select(Job.shard_order).where(Job.id == job_id)).scalar_one_or_none()
-        return cls(db, job_store, job_id, by_line=order == "prefix")
+            row = conn.execute(
+                select(Job.shard_order, Job.invalid_requests, Job.num_shards).where(Job.id == job_id)
+            ).one_or_none()
+        if row is None:
+            return cls(db, job_store, job_id)
+        # A job stopped before its intake has no shards, only the unrun items of its lines.
+        by_line = row.shard_order == "prefix" or not row.num_shards
+        return cls(db, job_store, job_id, by_line=by_line, invalid_lines=row.invalid_requests or 0)
 
     def results(self, shard_index: int, has_parts: bool) -> Iterator[bytes]:
         if has_parts:
@@ -157,7 +166,12 @@ def iter_job_output(
     try:
         invalid = iter_lines(source.job_store.open_read(object_keys.INVALID))
     except ObjectNotFound:
-        invalid = iter(())
+        if source.invalid_lines:  # deleted as the job ended: an errors file without them is wrong
+            raise ObjectNotFound(
+                f"the {source.invalid_lines} lines of job {source.job_id} rejected at validation are gone from "
+                f"{source.job_store.uri(object_keys.INVALID)}: the job has ended, and its errors file holds them"
+            ) from None
+        invalid = iter(())  # (a job cancelled before its intake)
     if source.by_line:
         failed: Iterator[tuple[tuple[int, int], bytes]] = (
             ((line, 1), data) for line, data in iter_job_items(source.db, source.job_id, failed=True)

@@ -12,13 +12,25 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from conveyor.worker.batchio.output_lines import UNRUN_CODES
 from conveyor.worker.metrics import buckets
 from conveyor.worker.store.items import ItemRecord
 from conveyor.worker.store.models import ItemStatus
 
 # The error codes a worker gives a failed item (``execution/item_records.py``,
-# ``execution/shard_runner.py``); anything else is counted as ``other``.
-ERROR_CODES = ("invalid_request", "invalid_value", "engine_error", "aborted", "shard_failed", "worker_crashed")
+# ``execution/shard_runner.py``), and those of the requests a stopped job left unrun
+# (``jobs/unrun_items.py``); anything else is counted as ``other``.
+ERROR_CODES = (
+    "invalid_request",
+    "invalid_value",
+    "prompt_too_long",
+    "grammar_too_complex",
+    "engine_error",
+    "aborted",
+    "shard_failed",
+    "worker_crashed",
+    *UNRUN_CODES,
+)
 
 
 class ItemMetrics:

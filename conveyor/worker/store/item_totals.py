@@ -3,6 +3,7 @@ recently (for a rate). Read only, one query over the job's items."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ class ItemTotals:
     recent: int  # items finished at or after ``since``
     recent_completion_tokens: int
     reasoning_tokens: int
+    first_finished_at: float | None = None  # when the job's first item finished
 
 
 def item_totals(engine: Engine, job_id: str, since: float) -> ItemTotals:
@@ -40,7 +42,10 @@ def item_totals(engine: Engine, job_id: str, since: float) -> ItemTotals:
         count(recent),
         func.coalesce(func.sum(case((recent, Item.completion_tokens), else_=0)), 0),
         func.coalesce(func.sum(Item.reasoning_tokens), 0),
+        func.min(Item.finished_at),
     ).where(Item.job_id == job_id)
     with engine.connect() as conn:
         row = conn.execute(stmt).one()
-    return ItemTotals(*(int(v) for v in row))
+    first = row[-1]
+    counts = ItemTotals(*(int(v) for v in row[:-1]))
+    return dataclasses.replace(counts, first_finished_at=None if first is None else float(first))

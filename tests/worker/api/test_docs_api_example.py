@@ -26,7 +26,11 @@ def api_example() -> tuple[list[list[str]], str]:
     shell = re.search(r"```bash\n(.*?)```", rest, re.S)
     python = re.search(r"```python\n(.*?)```", rest, re.S)
     assert shell is not None and python is not None
-    lines = [shlex.split(line, comments=True) for line in shell.group(1).splitlines() if line.strip()]
+    lines = [
+        words
+        for line in shell.group(1).replace("\\\n", " ").splitlines()
+        if (words := shlex.split(line, comments=True))
+    ]
     return lines, python.group(1)
 
 

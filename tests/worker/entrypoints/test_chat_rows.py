@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from conveyor.worker.batchio.readers import iter_input
-from conveyor.worker.batchio.records import LineError, ParsedRequest
+from conveyor.worker.batchio.records import InputFormat, LineError, ParsedRequest
 from conveyor.worker.batchio.request_body import COMPLETIONS
 from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.broker.submission_contract import InvalidSubmission, parse_submission
@@ -104,17 +104,12 @@ def _check_rendered(tok: Any, results: list[dict[str, Any]], system: str | None)
         assert text.count("<|im_start|>user") == 1 and text.count(SYSTEM) == (1 if system else 0)
 
 
-def _shard_sampling(settings: Settings, job_id: str) -> dict[str, dict[str, Any]]:
-    """custom_id -> the sampling fields the engine gets (from the job's shard files)."""
-    store = Client(settings).store.scoped(object_keys.job_prefix(job_id))
-    out = {}
-    index = 0
-    while store.exists(object_keys.shard_input_key(index)):
-        for line in read_object(store, object_keys.shard_input_key(index)).splitlines():
-            req = json.loads(line)
-            out[req["custom_id"]] = req["sampling"]
-        index += 1
-    return out
+def _shard_sampling(settings: Settings, job_id: str, data: bytes, fmt: InputFormat) -> dict[str, dict[str, Any]]:
+    """custom_id -> the sampling fields the engine gets: the job's recorded options applied to
+    its input by intake's reader (the job's shard files were deleted when it ended)."""
+    options = RequestOptions.from_json(Client(settings).status(job_id)["request_options"])
+    rows = iter_input(io.BytesIO(data), InputLimits(), fmt, options)
+    return {r.custom_id: r.sampling for r in rows if isinstance(r, ParsedRequest)}
 
 
 # ---- the reader: columns, system prompt, defaults ------------------------------------------
@@ -205,7 +200,7 @@ def test_run_renders_prompt_rows_and_messages_through_the_template_once(embedded
                                                                        "strict": True}},
         },
     }  # fmt: skip
-    sampling = _shard_sampling(embedded_stack.settings, job["id"])
+    sampling = _shard_sampling(embedded_stack.settings, job["id"], path.read_bytes(), InputFormat.csv)
     assert sampling["p-plain"] == {
         "max_tokens": 4, "temperature": 0.0, "top_p": 0.9, "seed": 7, "stop": ["zzz", "yyy"], "n": 2,
         "structured_outputs": {"json": SCHEMA},
@@ -266,7 +261,7 @@ def test_queued_csv_and_parquet_rows_render_once_with_the_system_prompt(
     done = client.wait(job["id"], timeout=120, poll=0.2)
     assert done["status"] == "completed" and done["request_counts"]["failed"] == 0, worker.log()[-2000:]
     _check_rendered(tok, parse_lines(client.results(job["id"])), SYSTEM)
-    sampling = _shard_sampling(embedded_stack.settings, job["id"])
+    sampling = _shard_sampling(embedded_stack.settings, job["id"], path.read_bytes(), InputFormat.csv)
     assert sampling["m-user"] == {
         "max_tokens": 3, "temperature": 0.0, "top_p": 0.5, "seed": 11, "stop": ["zzz"], "n": 2,
         "structured_outputs": {"json_object": True},
@@ -422,7 +417,7 @@ def test_run_a_parquet_messages_column_with_a_response_format(embedded_stack, en
     expected = _rendered(tok, _expected_prompts(SYSTEM)["m-user"])
     assert result["response"]["body"]["usage"]["prompt_tokens"] == _count(tok, expected)
     job = Client(embedded_stack.settings).jobs(limit=1)[0]
-    assert _shard_sampling(embedded_stack.settings, job["id"])["m-user"] == {
+    assert _shard_sampling(embedded_stack.settings, job["id"], path.read_bytes(), InputFormat.parquet)["m-user"] == {
         "max_tokens": 3, "structured_outputs": {"json_object": True},
     }  # fmt: skip
 
@@ -461,7 +456,7 @@ def test_a_broker_submission_with_options_runs_its_rows_as_chat(pg_redis_s3_stac
     assert job["request_counts"] == {"total": len(ROWS), "completed": len(ROWS), "failed": 0}
     assert job["request_options"]["chat"] == "on" and job["request_options"]["system_prompt"] == SYSTEM
     _check_rendered(tok, parse_lines(client.results(job["id"])), SYSTEM)
-    assert _shard_sampling(stack.settings, job["id"])["p-plain"] == {
+    assert _shard_sampling(stack.settings, job["id"], _csv(ROWS), InputFormat.csv)["p-plain"] == {
         "max_tokens": 3, "temperature": 0.0, "top_p": 0.8, "seed": 5, "stop": ["zzz"], "n": 2,
         "structured_outputs": {"json_object": True},
     }  # fmt: skip

@@ -51,7 +51,8 @@ def test_submit_status_results_cancel(embedded_stack, env, tmp_path, capsys) -> 
     assert main(["cancel", job["id"]]) == 0
     assert "cancelled" in capsys.readouterr().out
     assert main(["results", job["id"], "--errors", "-o", str(tmp_path / "e.jsonl")]) == 0
-    assert (tmp_path / "e.jsonl").read_bytes() == b""
+    errors = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"req-{i}", "batch_cancelled") for i in range(4)]
     assert main(["submit", str(path), "--model", stack.model]) == 0
     assert re.fullmatch(r"batch_[0-9a-f]{32}\n", capsys.readouterr().out)
 

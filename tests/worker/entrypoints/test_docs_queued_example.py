@@ -23,7 +23,11 @@ def queued_example() -> list[list[str]]:
     assert MARKER in text, f"{PAGE} lost its queued example"
     block = re.search(r"```bash\n(.*?)```", text[text.index(MARKER) :], re.S)
     assert block is not None
-    return [shlex.split(line, comments=True) for line in block.group(1).splitlines() if line.strip()]
+    return [
+        words
+        for line in block.group(1).replace("\\\n", " ").splitlines()
+        if (words := shlex.split(line, comments=True))
+    ]
 
 
 def test_the_docs_queued_example_runs_as_written(tiny_model, tmp_path) -> None:

@@ -24,9 +24,10 @@ def _reason(err: str) -> str:
 @pytest.mark.parametrize(
     ("data", "why"),
     [
-        (b"", "no request succeeded: the input has no requests"),
-        (b"\n \n", "no request succeeded: the input has no requests"),
-        (bytes(range(256)) * 8, "no request succeeded: the input is not text"),
+        # (refused before the model loads, so before any job: the reason alone)
+        (b"", "conveyor: error: the input has no requests"),
+        (b"\n \n", "conveyor: error: the input has no requests"),
+        (bytes(range(256)) * 8, "conveyor: error: the input is not text"),
         (b'{"prompt": ""}\n{"nope": 1}\n[1]\n', "no request succeeded: all 3 lines were rejected"),
     ],
 )
