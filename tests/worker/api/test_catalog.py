@@ -93,7 +93,7 @@ def test_with_no_worker_the_sdk_batch_for_a_declared_or_once_served_model_waits_
         db.dispose()
 
 
-def test_submit_warns_only_for_a_model_nobody_declared(embedded_stack, env, tmp_path, capsys) -> None:
+def test_submit_refuses_a_model_nobody_declared_unless_allowed(embedded_stack, env, tmp_path, capsys) -> None:
     env(embedded_stack.with_values(models=[DECLARED]))
     path = tmp_path / "in.jsonl"
     path.write_bytes(jsonl(batch_lines(2)))
@@ -102,5 +102,10 @@ def test_submit_warns_only_for_a_model_nobody_declared(embedded_stack, env, tmp_
     assert "warning" not in done.err
     assert cli.main(["status", done.out.strip()]) == 0
     assert f"no worker serves model {DECLARED} yet; it is declared (CONVEYOR_MODELS)" in capsys.readouterr().out
-    assert cli.main(["submit", str(path), "--model", "org/undeclared"]) == 0
+    assert cli.main(["submit", str(path), "--model", "org/undeclared"]) == 1
+    refused = capsys.readouterr()
+    assert refused.out == ""  # no job id: nothing was submitted
+    said = "no live worker serves model org/undeclared and CONVEYOR_MODELS does not declare it"
+    assert f"{said} (served or declared: {DECLARED})" in refused.err
+    assert cli.main(["submit", str(path), "--model", "org/undeclared", "--allow-unserved"]) == 0
     assert "warning: no live worker serves model org/undeclared" in capsys.readouterr().err
