@@ -4,6 +4,9 @@ Redis) as its clients see it, without stopping the shared server behind it.
 ``cut()`` closes every open connection and resets each new one at once (the listening
 socket stays bound, so no other process can take its port meanwhile); ``restore()`` passes
 traffic again. Clients see resets and closed connections: what a restarting server gives.
+``silence()`` is the other failure: the connections open now stay open but nothing more
+passes on them, either way (a server gone behind a load balancer or a partition), while new
+connections pass as before.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class TcpProxy:
         self._open: set[socket.socket] = set()
         self._cut = False
         self._closed = False
+        self._silenced: set[socket.socket] = set()
         self.connections = 0  # connections passed through, over the proxy's life
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
@@ -47,6 +51,11 @@ class TcpProxy:
             sockets, self._open = list(self._open), set()
         for sock in sockets:
             _reset(sock)
+
+    def silence(self) -> None:
+        """Pass nothing more on the connections open now, and close none of them."""
+        with self._lock:
+            self._silenced |= self._open
 
     def restore(self) -> None:
         with self._lock:
@@ -106,7 +115,10 @@ class TcpProxy:
                         src = cast(socket.socket, key.fileobj)
                         data = src.recv(65536)
                         if data:
-                            peer[src].sendall(data)
+                            with self._lock:
+                                silenced = src in self._silenced
+                            if not silenced:
+                                peer[src].sendall(data)
                             continue
                         sel.unregister(src)
                         peer[src].shutdown(socket.SHUT_WR)
@@ -117,8 +129,8 @@ class TcpProxy:
                 return
             finally:
                 with self._lock:
-                    self._open.discard(a)
-                    self._open.discard(b)
+                    self._open -= {a, b}
+                    self._silenced -= {a, b}
                 for sock in (a, b):
                     with contextlib.suppress(OSError):
                         sock.close()

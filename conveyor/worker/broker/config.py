@@ -21,6 +21,10 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if broker.startswith(("redis", "rediss", "sqs")):
         options["visibility_timeout"] = settings.broker_visibility_timeout
+    if broker.startswith(("amqp", "amqps", "pyamqp")):
+        # py-amqp waits for a synchronous reply with no time limit of its own (issue 40's
+        # RabbitMQ restart once left a consumer blocked in basic_qos): SO_RCVTIMEO bounds it.
+        options["read_timeout"] = settings.broker_read_timeout
     options.update(settings.broker_transport_options)
     return options
 

@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     max_priority: int = Field(1000, ge=0)
     # The largest file ``POST /v1/files`` takes; a bigger one is answered 413 and nothing of it is kept.
     max_upload_bytes: int = Field(DEFAULT_MAX_UPLOAD_BYTES, ge=1)
+    # The most requests one Message Batch (``POST /v1/messages/batches``) holds (Anthropic's
+    # limit); more is a 400.
+    message_batch_max_requests: int = Field(100_000, ge=1)
+    # The largest Message Batch create body, in bytes (Anthropic's 256 MB); larger is a 413.
+    message_batch_max_bytes: int = Field(256 << 20, ge=1)
     # How many uploads stream at once; one more is answered 429 (the SDK retries it).
     max_concurrent_uploads: int = Field(8, ge=1, le=1024)
     # An upload whose client sends nothing for this long mid-body is answered 408 and dropped.
@@ -205,6 +210,13 @@ class Settings(BaseSettings):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # torch's threads in the worker's engine; unset: the CPUs the process may use, tuned on CPU.
     cpu_threads: int | None = Field(None, ge=1, le=1024)
+    # Threads that prepare requests for the engine (chat template, tokenising, grammar compile),
+    # off its loop and shared between owners fairly.
+    input_threads: int = Field(2, ge=1, le=64)
+    # A request's grammar (structured outputs) that takes longer to compile fails alone, ``grammar_too_complex``.
+    grammar_compile_seconds: float = Field(10.0, gt=0, le=3600)
+    # A request's prompt that takes longer to tokenise fails alone, ``prompt_too_long``.
+    tokenize_seconds: float = Field(10.0, gt=0, le=3600)
 
     # Weights from an object store (``--model s3://bucket/prefix/``), downloaded once per node.
 
@@ -225,6 +237,10 @@ class Settings(BaseSettings):
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     # The Redis/SQS visibility timeout: an unacknowledged message is delivered again after this long.
     broker_visibility_timeout: float = Field(3600.0, gt=0)
+    # An AMQP broker that has not answered a call (a prefetch change, a queue declaration) for
+    # this long is taken for gone: the call fails and the connection is made again. Without it a
+    # broker that stops answering without closing the connection stalls a worker for good.
+    broker_read_timeout: float = Field(60.0, gt=0, le=3600)
     # The largest task message a worker takes (a bigger one is refused and logged, not run).
     max_message_bytes: int = Field(1 * MiB, ge=1024)
 
@@ -248,6 +264,9 @@ class Settings(BaseSettings):
     max_shards_per_job: int = Field(100_000, ge=1)
     # A job created by reference still ``validating`` this long after creation gets its intake message again.
     intake_resend_seconds: float = Field(300.0, gt=0)
+    # A job folder with no job (an intake that crashed), or the shards of a job that failed to
+    # enqueue (``conveyor retry`` runs them), are kept this long, then the storage sweep deletes them.
+    storage_grace_seconds: float = Field(86_400.0, gt=0)
     # A worker counts as live while its last heartbeat is at most this old; ``submit`` and ``status`` say when none is.
     worker_live_seconds: float = Field(60.0, gt=0)
     # Workers silent this long leave the registry (each model's newest stays); checked hourly by every worker.

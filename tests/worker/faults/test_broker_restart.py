@@ -10,16 +10,23 @@ schema and S3 is moto's server, as in the other service tests.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import func, select
 
+from conveyor.worker.broker.app import create_app
+from conveyor.worker.broker.app_state import require_state
+from conveyor.worker.broker.queues import queue_depth
 from conveyor.worker.entrypoints.client import Client
 from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import Shard
 from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import (
     Stack,
@@ -83,8 +90,7 @@ def test_workers_consume_again_after_the_broker_restarts_empty(
     try:
         job = client.wait(job_id, timeout=BOUND_SECONDS, poll=0.5)
     except TimeoutError as exc:
-        logs = "\n".join(f"--- worker {i}\n{w.log()[-4000:]}" for i, w in enumerate(workers))
-        pytest.fail(f"{exc}; {at_kill} were stored at the kill\n{logs}")
+        pytest.fail(f"{exc}; {at_kill} were stored at the kill\n{_stuck_report(db, job_id, stack, workers)}")
     took = time.monotonic() - restarted_at
     assert took < BOUND_SECONDS
     for port in ports:  # each worker consumes again, as it says
@@ -92,6 +98,42 @@ def test_workers_consume_again_after_the_broker_restarts_empty(
     assert_each_request_once(client, db, job, LINES)
     db.dispose()
     client.close()
+
+
+def _stuck_report(db, job_id: str, stack: Stack, workers) -> str:
+    """What a stall leaves to read in CI's log: where the shards stand, what the broker holds,
+    and every thread's stack in each worker (Celery dumps them on SIGUSR1)."""
+    with db.connect() as conn:
+        shards = conn.execute(
+            select(Shard.status, func.count()).where(Shard.job_id == job_id).group_by(Shard.status)
+        ).all()
+    try:
+        app = create_app(stack.settings, stack.model)
+        depth: int | str | None = queue_depth(app, require_state(app).queue)
+    except Exception as exc:  # the report must not hide the failure it reports
+        depth = f"unknown ({exc})"
+    before = [len(worker.log()) for worker in workers]
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGUSR1)
+    time.sleep(2)
+    parts = [f"shards: {dict((str(s), n) for s, n in shards)}; messages ready on the queue: {depth}"]
+    for i, (worker, cut) in enumerate(zip(workers, before, strict=True)):
+        text = worker.log()
+        lines = [line for line in text[:cut].splitlines() if not line.startswith((" ", "Traceback"))]
+        parts.append(f"--- worker {i}\n" + "\n".join(lines[-120:]) + "\n--- its threads\n" + _stacks(text[cut:]))
+    return "\n".join(parts)
+
+
+def _stacks(cry: str) -> str:
+    """The thread names and frames of Celery's dump, without its local variables."""
+    lines = cry.splitlines()
+    kept = [
+        line
+        for n, line in enumerate(lines)
+        if line.startswith('  File "')
+        or (n + 1 < len(lines) and lines[n + 1].startswith("====") and line and not line.startswith(("=", "LOCAL")))
+    ]
+    return "\n".join(kept)
 
 
 def _demand(port: int) -> float:
