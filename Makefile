@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Three test processes on two cores: many tests wait on workers, brokers and timers, not the CPU.
 PYTEST_WORKERS ?= 3
 
-.PHONY: setup lock run run-engine tiny-model lint docs test test-fast test-newest bench gpu-check gpu-check-dry gpu-wheels clean
+.PHONY: setup lock run run-engine tiny-model lint docs docs-serve test test-fast test-newest bench gpu-check gpu-check-dry gpu-wheels clean
 
 # The locked environment (requirements/dev-cpu.lock: exact versions with hashes, `make lock`)
 # on CPython 3.11, CI's; another Python installs from pyproject.toml's ranges and says so. The
@@ -76,6 +76,11 @@ lint: setup
 # the code at build time (docs/hooks/reference_pages.py).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs build --strict --quiet
+
+# The site served at http://127.0.0.1:8000/, rebuilt on every edit. Read it through a server,
+# not from disk: its links to folders need one to open their index.html.
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs serve
 
 # Everything, as CI runs it: lint, the docs, every test, then the slowest tests named (the suite's
 # time on two cores is watched: the next one to trim is in CI's log).

@@ -196,6 +196,9 @@ SLOW: tuple[str, ...] = (
     "tests/worker/jobs/test_openai_compat.py::test_transient_and_expired_states_validate_as_openai_batches",
     "tests/worker/jobs/test_prefix_jobs.py::test_grouped_and_input_order_runs_give_the_same_files_in_input_order",
     "tests/worker/metrics/test_metrics_database.py::test_shards_wait_for_a_worker_then_fly_under_its_lease_and_wait_again_when_it_expires",
+    "tests/engine/test_llm_chat.py::test_chat_gives_generates_tokens_for_the_rendered_template",
+    "tests/engine/test_llm_lifecycle.py::test_the_with_block_releases_the_engine",
+    "tests/test_docs_rendering.py::test_no_paragraph_swallows_a_list",
 )
 
 

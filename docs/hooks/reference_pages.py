@@ -187,13 +187,44 @@ def engine_config_page() -> str:
         "`ValueError` naming the field. Generated from the groups' dataclasses at build time.",
         "",
     ]
-    sections: list[str] = []
+    sections = _engine_flags_section()
     for name, group in GROUPS.items():
         sections += _dataclass_section(group, f"`{name}`: `{group.__name__}`", 2, "")
     sections += _dataclass_section(
         SpeculativeConfig, f"`speculative`: `SpeculativeConfig` (the `{SPECULATIVE_FLAT}` object)", 2, ""
     )
     return "\n".join(intro + sections)
+
+
+def _engine_flags_section() -> list[str]:
+    """The command-line flags (``conveyor.worker.entrypoints.engine_flags``): each flag's field,
+    what the field means (its comment in ``conveyor.engine.config``) and where vLLM differs."""
+    from conveyor.engine.config import GROUPS, SPECULATIVE_FLAT
+    from conveyor.worker.entrypoints.engine_flags import ENGINE_FLAGS
+
+    meanings: dict[str, str] = {}
+    for group in GROUPS.values():
+        meanings.update(field_comments(Path(inspect.getfile(group)), group.__name__))
+    meanings[SPECULATIVE_FLAT] = "speculative decoding: an object with the fields of the `speculative` group below"
+    rows = []
+    for flag in ENGINE_FLAGS:
+        option = f"`{flag.option}`" + (f" / `--no-{flag.option[2:]}`" if flag.boolean else "")
+        if flag.field not in meanings:
+            raise ReferenceError(f"engine flag {flag.option}: EngineConfig has no field {flag.field!r}")
+        rows.append(f"| {option} | `{flag.field}` | {_cell(meanings[flag.field])} | {_cell(flag.vllm_note)} |")
+    return [
+        "## Command-line flags",
+        "",
+        "`conveyor run` and `conveyor worker` take these fields as flags, under vLLM's names. A flag sets the",
+        "same field as `CONVEYOR_ENGINE_ARGS`, wins over it, and is checked the same way: a bad value is",
+        "refused, naming the flag, before the model loads. `conveyor serve` takes none: it runs the HTTP API",
+        "and builds no engine (the workers do). Fields without a flag are set in `CONVEYOR_ENGINE_ARGS`.",
+        "",
+        "| flag | field | meaning | unlike vLLM |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+    ]
 
 
 def sampling_params_page() -> str:

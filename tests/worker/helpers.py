@@ -278,3 +278,19 @@ def scrape(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> Scrape:
 # Engine arguments that make a tiny model's job take a while (one sequence at a time), so that a
 # test can act on it while it runs.
 SLOW_ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 1}
+
+
+def record_engine_builds(monkeypatch: Any) -> list[Any]:
+    """The ``EngineConfig`` of every engine host built from now on, in order; the engine is
+    still built, by the real ``EngineHost.from_config``."""
+    from conveyor.worker.execution.engine_host import EngineHost
+
+    seen: list[Any] = []
+    build = EngineHost.from_config.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, config: Any, **kwargs: Any) -> Any:
+        seen.append(config)
+        return build(cls, config, **kwargs)
+
+    monkeypatch.setattr(EngineHost, "from_config", classmethod(recording))
+    return seen

@@ -39,7 +39,7 @@ def _check_example_job(client: Client, job: dict) -> None:
     errors = parse_lines(client.results(job["id"], errors=True))
     assert [(e["custom_id"], e["error"]["line"], e["error"]["code"]) for e in errors] == [
         ("bad-1", 7, "invalid_value"),
-        ("line-8", 8, "invalid_json"),
+        ("chat-7", 8, "invalid_json"),  # the id read from the cut-off line
     ]
     assert job["usage"]["output_tokens"] > 0 and job["metrics"]["items"] == 6
     assert job["metrics"]["ttft"]["p50"] is not None

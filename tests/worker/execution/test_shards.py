@@ -183,7 +183,9 @@ def test_on_one_engine_host_the_job_due_sooner_is_served_first(tiny_model) -> No
     from conveyor.engine import EngineConfig, SamplingParams
     from conveyor.worker.execution.engine_host import EngineHost
 
-    host = EngineHost.from_config(EngineConfig(tiny_model, device="cpu", max_num_seqs=1, scheduling_policy="priority"))
+    # Inputs prepared on the loop thread (no input stage): all seven reach the feed together.
+    config = EngineConfig(tiny_model, device="cpu", max_num_seqs=1, scheduling_policy="priority")
+    host = EngineHost.from_config(config, input_threads=0)
     done: list[str] = []
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     now = time.time()

@@ -279,7 +279,7 @@ def test_results_and_errors_files_follow_openais_batch_output_format(embedded_st
         ("line-2", None, "invalid_json"),
         ("nobody", None, "missing_prompt"),
         ("hot", None, "invalid_value"),
-        ("long", 400, "invalid_request"),
+        ("long", 400, "prompt_too_long"),  # issue 41: its own code
         ("line-7", None, "invalid_request"),
     ]
     by_id = {e.custom_id: e for e in errors}

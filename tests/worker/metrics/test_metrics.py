@@ -59,7 +59,7 @@ def test_a_worker_s_metrics_add_up_to_what_its_job_did(pg_redis_s3_stack, spawn_
     assert job["status"] == "completed" and job["request_counts"] == {"total": 7, "completed": n, "failed": 1}
     usage = [r["response"]["body"]["usage"] for r in parse_lines(client.results(job["id"]))]
     errors = parse_lines(client.results(job["id"], errors=True))
-    assert [e["response"]["body"]["error"]["code"] for e in errors] == ["invalid_request"]
+    assert [e["response"]["body"]["error"]["code"] for e in errors] == ["prompt_too_long"]
     db = create_db_engine(stack.settings.database)
     with db.connect() as conn:
         sums = conn.execute(
@@ -75,7 +75,7 @@ def test_a_worker_s_metrics_add_up_to_what_its_job_did(pg_redis_s3_stack, spawn_
     # Items and tokens: what the job's results and errors files say.
     assert m.value("conveyor_items_total", model=model, status="succeeded") == n
     assert m.value("conveyor_items_total", model=model, status="failed") == 1
-    assert m.value("conveyor_item_errors_total", model=model, code="invalid_request") == 1
+    assert m.value("conveyor_item_errors_total", model=model, code="prompt_too_long") == 1
     prompt_tokens = sum(u["prompt_tokens"] for u in usage)
     cached_tokens = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
     assert m.value("conveyor_prompt_tokens_total", model=model) == prompt_tokens > 0
