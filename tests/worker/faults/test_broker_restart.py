@@ -65,6 +65,8 @@ def test_workers_consume_again_after_the_broker_restarts_empty(
     values = make_values(
         tmp_path / "home", tiny_model, database_url=pg_url, broker_url=private_broker.url,
         storage_url=f"s3://{s3_bucket}/conveyor",
+        # A call the restarted broker never answers fails in 10 s, well inside BOUND_SECONDS.
+        broker_read_timeout=10.0,
     )  # fmt: skip
     stack = Stack(values, tiny_model)  # the AWS variables come from aws_env
     ports = [free_port(), free_port()]
