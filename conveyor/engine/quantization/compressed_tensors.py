@@ -38,6 +38,7 @@ _KNOWN = (
     "global_compression_ratio",
     "version",
     "provider",
+    "moe_sparsity_config",  # (pruned or collapsed experts: refused when set)
 )
 _WEIGHT_OPTIONS = (
     "num_bits",
@@ -64,7 +65,7 @@ class CompressedTensorsScheme(QuantScheme):
         status = config.get("quantization_status", "compressed")
         if status != "compressed":
             raise refuse(self.method, "quantization_status", status, "compressed")
-        for option in ("sparsity_config", "transform_config"):
+        for option in ("sparsity_config", "transform_config", "moe_sparsity_config"):
             if config.get(option):
                 raise refuse(self.method, option, config[option], "none")
         kv_cache_scheme = config.get("kv_cache_scheme")

@@ -50,7 +50,8 @@ class GptqScheme(QuantScheme):
                 "exllama_config",
                 "max_input_length",
                 "modules_in_block_to_quantize",
-                "module_name_preceding_first_closing_bracket",
+                "module_name_preceding_first_block",  # (calibration: the layers run before the first block)
+                "model_seqlen",  # (calibration: the sequence length the quantizer ran)
                 "cache_block_outputs",
                 "batch_size",
                 "pad_token_id",
