@@ -1,7 +1,8 @@
 """Each embedder's published sentence-transformers files (``tests/data/checkpoints/<family>/<release>/``,
 sources in ``SOURCES.md``): the engine reads their pooling and normalisation as
 sentence-transformers itself reads them, and a random-weight model shrunk from the release's
-published config.json (``shrunk_checkpoint``), carrying those files unchanged but for the
+published config.json (``shrunk_checkpoint``; its family's where the release's own was not
+found), carrying those files unchanged but for the
 Pooling module's size field, embeds as ``SentenceTransformer(path).encode`` does in float32."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference
 from tests.engine.shrunk_checkpoint import build_shrunk_checkpoint
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
-EMBEDDERS = ["bert/all-MiniLM-L6-v2"]
+EMBEDDERS = ["bert/all-MiniLM-L6-v2", "xlm_roberta/multilingual-e5-base"]
 # The sentence-transformers files, as published (the Pooling module's folder is named in modules.json).
 ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 
@@ -26,7 +27,9 @@ def shrunk_embedder(root: Path, release: str) -> Path:
     """The release's model shrunk in size, its sentence-transformers files copied beside it; the
     Pooling config's ``word_embedding_dimension`` (a size field) set to the shrunk width."""
     published = CHECKPOINTS / release
-    path = build_shrunk_checkpoint(root / release.replace("/", "-"), published)
+    # (a release whose own config.json was not found is built from its family's: SOURCES.md)
+    model = published if (published / "config.json").is_file() else published.parent
+    path = build_shrunk_checkpoint(root / release.replace("/", "-"), model)
     for name in ST_FILES:
         if (published / name).is_file():
             shutil.copyfile(published / name, path / name)
