@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.engine.quantization.kept import QuantizedLinearWeight
 from conveyor.engine.quantization.registry import scheme_from_config
+from conveyor.engine.quantization.w8a8 import W8A8Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.reference import assert_outputs_match, greedy
 from tests.engine.shrunk_checkpoint import build_shrunk_checkpoint
@@ -92,7 +94,15 @@ def test_a_model_quantized_as_published_matches_transformers(variant, tmp_path, 
     float_dir = build_shrunk_checkpoint(tmp_path / "float", CHECKPOINTS / family)
     quantized, reference = qc.write_quantized(float_dir, tmp_path / variant, block, quantizer(block))
     assert json.loads((quantized / "config.json").read_text())["quantization_config"] == block
-    outs = make_llm(str(quantized), max_model_len=256).generate(PROMPTS, greedy(MAX_TOKENS))
+    llm = make_llm(str(quantized), max_model_len=256)
+    # Where the format quantizes the layers' inputs, the engine does too (as the reference does).
+    w8a8 = [
+        isinstance(getattr(m, name), QuantizedLinearWeight) and isinstance(getattr(m, name).kernel, W8A8Weight)
+        for m in llm.engine.runner.model.modules()
+        for name in getattr(m, "quantized_linears", ())
+    ]
+    assert w8a8 and all(kept == (qc.activation_args(block) is not None) for kept in w8a8), w8a8
+    outs = llm.generate(PROMPTS, greedy(MAX_TOKENS))
     assert_outputs_match(qc.w8a8_oracle(hf_reference, quantized, reference), PROMPTS, MAX_TOKENS, outs)
 
 
