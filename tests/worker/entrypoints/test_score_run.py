@@ -58,6 +58,7 @@ def test_score_lines_equal_the_cross_encoder(cross_encoder, env, tmp_path, capsy
         _line("one-to-many", "/v1/score", {"model": "m", "text_1": QUERY, "text_2": DOCUMENTS}),
         _line("pairs", "/v1/score", {"text_1": DOCUMENTS[:2], "text_2": [QUERY, DOCUMENTS[3]]}),
         _line("bad", "/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}),
+        _line("too-long", "/v1/score", {"text_1": QUERY, "text_2": ["soup", "tea and cake " * 300]}),
     ]
     results, errors = _run(env, tmp_path, cross_encoder, lines, capsys)
     bodies = {r["custom_id"]: r["response"]["body"] for r in results}
@@ -71,8 +72,11 @@ def test_score_lines_equal_the_cross_encoder(cross_encoder, env, tmp_path, capsy
         got = torch.tensor([d["score"] for d in body["data"]])
         torch.testing.assert_close(got, torch.tensor(_reference(cross_encoder, pairs)), atol=1e-5, rtol=0)
         assert body["usage"]["prompt_tokens"] > 0
-    [error] = errors
-    assert error["custom_id"] == "bad" and "text_1 has 2 texts and text_2 3" in error["error"]["message"]
+    bad, too_long = sorted(errors, key=lambda e: e["custom_id"])
+    assert bad["custom_id"] == "bad" and "text_1 has 2 texts and text_2 3" in bad["error"]["message"]
+    message = too_long["response"]["body"]["error"]["message"]
+    assert too_long["custom_id"] == "too-long"
+    assert message.startswith("pair[1]: prompt is ") and "at most 512" in message
 
 
 def test_rerank_lines_sort_by_score_and_keep_top_n(cross_encoder, env, tmp_path, capsys) -> None:
@@ -110,4 +114,5 @@ def test_a_model_without_a_scoring_head_answers_each_line_with_the_reason(env, t
     assert not results and len(errors) == 2
     for e in errors:
         message = e["response"]["body"]["error"]["message"]
-        assert "this model cannot score" in message and "no scoring head" in message
+        assert message.startswith(f"{'pair' if url == '/v1/score' else 'documents'}[0]: this model cannot score")
+        assert "no scoring head" in message
