@@ -155,7 +155,7 @@ def embedding_support(
     try:
         pooling = read_pooling_config(model_dir, default) if model_dir.is_dir() else default
     except ValueError as exc:
-        if spec.encoder:  # (it can do nothing else: refused at load)
-            raise ValueError(f"this encoder cannot embed: {exc}") from None
+        if spec.encoder and isinstance(score, str):  # (it can do nothing else: refused at load)
+            raise ValueError(f"this encoder cannot embed: {exc}; nor score: {score}") from None
         return EngineEmbedding(None, hidden_size, str(exc), generates, score)
     return EngineEmbedding(pooling, hidden_size, None, generates, score)

@@ -6,8 +6,11 @@ Two kinds of checkpoint score, each as its reference computes it:
 - a cross-encoder, ``BertForSequenceClassification`` or ``XLMRobertaForSequenceClassification``
   with one label: the pair tokenised as the tokenizer pairs texts (``[CLS] a [SEP] b [SEP]``,
   its token types), the classification head on the first token's hidden state, then the
-  activation sentence-transformers' ``CrossEncoder`` applies (``config.json``'s
-  ``sentence_transformers.activation_fn``: ``Sigmoid`` or ``Identity``; sigmoid by default);
+  activation sentence-transformers' ``CrossEncoder`` applies, found where it looks
+  (``config_sentence_transformers.json``'s ``activation_fn``, ``config.json``'s
+  ``sentence_transformers.activation_fn``, then its older ``sbert_ce_default_activation_function``:
+  ``Sigmoid`` or ``Identity``; sigmoid when none is named). A ``modules.json`` (what
+  sentence-transformers 6 saves) must list the Transformer alone: other modules are refused;
 - Qwen3-Reranker, a ``*ForCausalLM`` whose ``config.json`` carries vLLM's reranker keys
   ``"classifier_from_token": [false_token, true_token]`` and ``"is_original_qwen3_reranker":
   true``: the pair in Qwen's published prompt (system prefix, ``<Instruct>/<Query>/<Document>``,
@@ -66,8 +69,8 @@ class ScoreHead:
     scorer: Scorer
 
 
-def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
+def _read_config(model_dir: Path, name: str = "config.json") -> dict:
+    path = model_dir / name
     try:
         data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
@@ -79,11 +82,41 @@ def score_head(model_dir: Path, spec: ModelSpec, model: Any, tokenizer: Any) -> 
     """The checkpoint's scoring head, or why it has none (the reason a score request gets)."""
     config = _read_config(model_dir)
     if spec.encoder:
-        return _cross_encoder(config, spec, model)
+        return _cross_encoder(model_dir, config, spec, model)
     return _yes_no_reranker(config, spec, tokenizer)
 
 
-def _cross_encoder(config: dict, spec: ModelSpec, model: Any) -> ScoreHead | str:
+def _activation(model_dir: Path, config: dict) -> str | None:
+    """The activation a checkpoint names, where sentence-transformers looks for it, in its order."""
+    names = [_read_config(model_dir, "config_sentence_transformers.json").get("activation_fn")]
+    st = config.get("sentence_transformers")
+    names += [
+        st.get("activation_fn") if isinstance(st, dict) else None,
+        config.get("sbert_ce_default_activation_function"),
+    ]
+    return next((n for n in names if n is not None), None)
+
+
+def _extra_modules(model_dir: Path) -> str | None:
+    """Why a ``modules.json`` cannot be scored as the classifier alone (None: it can)."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{path} is not readable JSON: {exc}"
+    kinds = (
+        [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules if isinstance(m, dict)]
+        if isinstance(modules, list)
+        else []
+    )
+    if kinds != ["Transformer"]:
+        return f"{path} lists {kinds}; the engine scores with the Transformer's classifier alone"
+    return None
+
+
+def _cross_encoder(model_dir: Path, config: dict, spec: ModelSpec, model: Any) -> ScoreHead | str:
     head = getattr(model, "score_head", None)
     if not spec.num_labels or head is None:
         return (
@@ -92,10 +125,12 @@ def _cross_encoder(config: dict, spec: ModelSpec, model: Any) -> ScoreHead | str
         )
     if spec.num_labels != 1:
         return f"this cross-encoder's classifier has {spec.num_labels} labels; a score comes from one"
-    st = config.get("sentence_transformers")
-    name = st.get("activation_fn") if isinstance(st, dict) else None
+    extra = _extra_modules(model_dir)
+    if extra is not None:
+        return extra
+    name = _activation(model_dir, config)
     if name is not None and name not in _ACTIVATIONS:
-        return f"config.json's activation_fn {name!r} is not served; the engine applies Sigmoid or Identity"
+        return f"activation_fn {name!r} is not served; the engine applies Sigmoid or Identity"
     sigmoid = True if name is None else _ACTIVATIONS[name]
     vocab, types = spec.vocab_size, spec.type_vocab_size
 

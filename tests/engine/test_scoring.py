@@ -5,6 +5,7 @@ model without a scoring head is refused per request with the reason."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,11 @@ def test_qwen3_reranker_scores_equal_transformers_yes_no(root):
 
     path, (false_token, true_token) = build_qwen3_reranker(root / "qwen3-reranker")
     llm = LLM(path, **F32)
-    outs = llm.score(QUERIES[0], DOCUMENTS) + llm.score(QUERIES, DOCUMENTS)
+    outs = llm.score(QUERIES[0], DOCUMENTS)
+    hits = llm.engine.stats().prefix_cache_hits
+    outs += llm.score(QUERIES, DOCUMENTS)
+    # The second call's prompts open with the first's: Qwen's prompt head comes from the prefix cache.
+    assert llm.engine.stats().prefix_cache_hits > hits
     pairs = [(QUERIES[0], d) for d in DOCUMENTS] + list(zip(QUERIES, DOCUMENTS, strict=True))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -118,3 +123,28 @@ def test_score_requests_are_checked(root):
         PoolingParams(task="score", pooling="cls")
     with pytest.raises(ValueError, match=r"prompt is at least \d+ tokens"):
         engine.add_request("long", {"text_pair": ["tea and cake " * 400, "b"]}, params)
+
+
+def test_a_cross_encoder_saved_by_sentence_transformers_scores_with_its_activation(root):
+    from sentence_transformers import CrossEncoder
+
+    saved = root / "st-saved"
+    path = build_cross_encoder(root / "bert-to-save", "bert")
+    model = CrossEncoder(path, device="cpu", activation_fn=torch.nn.Identity())
+    model.save(str(saved))  # modules.json, and the activation in config_sentence_transformers.json
+    outs = LLM(str(saved), **F32).score(QUERIES, DOCUMENTS)
+    want = _cross_encoder_reference(str(saved), [list(p) for p in zip(QUERIES, DOCUMENTS, strict=True)])
+    assert ((want < 0) | (want > 1)).any()  # raw logits: the sigmoid was not applied
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), want, atol=1e-5, rtol=0)
+
+
+def test_a_cross_encoder_with_modules_after_the_classifier_is_refused_at_load(root):
+    path = Path(build_cross_encoder(root / "bert-dense", "bert"))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    # It can neither embed nor score: refused at load, with both reasons.
+    with pytest.raises(ValueError, match=r"cannot embed: .*Dense.*nor score: .*\['Transformer', 'Dense'\]"):
+        LLM(str(path), **F32)
