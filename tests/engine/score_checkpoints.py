@@ -69,3 +69,24 @@ def build_qwen3_reranker(path: Path, *, reranker_keys: bool = True) -> tuple[str
         config["is_original_qwen3_reranker"] = True
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return str(path), tokens
+
+
+def qwen3_reranker_reference(path: str, tokens: list[str], pairs: list[tuple[str, str]]) -> torch.Tensor:
+    """Qwen3-Reranker's model card, one pair at a time, in float32: transformers' causal LM
+    over the published prompt, the softmax over the [false, true] tokens' last logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.engine.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    false_id, true_id = (tok.convert_tokens_to_ids(t) for t in tokens)
+    prefix = tok.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
+    scores = []
+    for query, doc in pairs:
+        ids = prefix + tok(qwen3_reranker_text(query, doc), add_special_tokens=False)["input_ids"] + suffix
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).logits[0, -1]
+        scores.append(torch.log_softmax(torch.stack([last[false_id], last[true_id]]), dim=0)[1].exp())
+    return torch.stack(scores)

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, PoolingParams, SamplingParams
-from conveyor.engine.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
 from conveyor.engine.testing import build_tiny_encoder
 from tests.engine.helpers import assert_no_leaks
-from tests.engine.score_checkpoints import build_cross_encoder, build_qwen3_reranker
+from tests.engine.score_checkpoints import build_cross_encoder, build_qwen3_reranker, qwen3_reranker_reference
 
 F32 = {"dtype": "float32", "device": "cpu"}
 QUERIES = ["the chef brings hot soup", "a", "the waiter asks the guest about the bill and the tip"]
@@ -63,9 +62,7 @@ def test_one_query_against_many_documents(root):
 
 
 def test_qwen3_reranker_scores_equal_transformers_yes_no(root):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path, (false_token, true_token) = build_qwen3_reranker(root / "qwen3-reranker")
+    path, tokens = build_qwen3_reranker(root / "qwen3-reranker")
     llm = LLM(path, **F32)
     outs = llm.score(QUERIES[0], DOCUMENTS)
     hits = llm.engine.stats().prefix_cache_hits
@@ -73,19 +70,9 @@ def test_qwen3_reranker_scores_equal_transformers_yes_no(root):
     # The second call's prompts open with the first's: Qwen's prompt head comes from the prefix cache.
     assert llm.engine.stats().prefix_cache_hits > hits
     pairs = [(QUERIES[0], d) for d in DOCUMENTS] + list(zip(QUERIES, DOCUMENTS, strict=True))
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    false_id, true_id = (tok.convert_tokens_to_ids(t) for t in (false_token, true_token))
-    prefix = tok.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
-    suffix = tok.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
-    want = []
-    for query, doc in pairs:  # Qwen3-Reranker's model card, one pair at a time
-        ids = prefix + tok(qwen3_reranker_text(query, doc), add_special_tokens=False)["input_ids"] + suffix
-        with torch.no_grad():
-            last = model(torch.tensor([ids])).logits[0, -1]
-        want.append(torch.log_softmax(torch.stack([last[false_id], last[true_id]]), dim=0)[1].exp())
     assert [o.error for o in outs] == [None] * len(pairs)
-    torch.testing.assert_close(torch.tensor([o.score for o in outs]), torch.stack(want), atol=1e-5, rtol=0)
+    want = qwen3_reranker_reference(path, tokens, pairs)
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), want, atol=1e-5, rtol=0)
     assert_no_leaks(llm.engine)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conveyor.worker.entrypoints.cli import main
-from tests.engine.score_checkpoints import build_cross_encoder
+from tests.engine.score_checkpoints import build_cross_encoder, build_qwen3_reranker, qwen3_reranker_reference
 from tests.engine.shrunk_checkpoint import build_shrunk_checkpoint
 from tests.worker.helpers import Stack, make_values, parse_lines
 from tests.worker.openai_shapes import RerankResponse, check_output_line
@@ -100,6 +100,22 @@ def test_rerank_lines_sort_by_score_and_keep_top_n(cross_encoder, env, tmp_path,
     assert [r["document"]["text"] for r in bodies["cohere-docs"]["results"]] != []
     [error] = errors
     assert error["custom_id"] == "bad" and "top_n must be a non-negative integer" in error["error"]["message"]
+
+
+def test_rerank_lines_with_the_qwen3_reranker_equal_transformers(env, tmp_path, capsys) -> None:
+    model, tokens = build_qwen3_reranker(tmp_path / "qwen3-reranker")
+    lines = [_line(f"r{i}", "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS[i:]}) for i in range(2)]
+    results, errors = _run(env, tmp_path, model, lines, capsys)
+    assert not errors
+    want = qwen3_reranker_reference(model, tokens, [(QUERY, d) for d in DOCUMENTS])
+    for result in results:
+        start = int(result["custom_id"][1:])
+        ranked = RerankResponse.model_validate(result["response"]["body"]).results
+        assert sorted(r.index for r in ranked) == list(range(len(DOCUMENTS) - start))
+        got = torch.tensor([r.relevance_score for r in ranked])
+        expected = torch.stack([want[start + r.index] for r in ranked])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        assert got.tolist() == sorted(got.tolist(), reverse=True)
 
 
 @pytest.mark.parametrize(
