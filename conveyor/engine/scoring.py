@@ -158,6 +158,8 @@ def _yes_no_reranker(config: dict, spec: ModelSpec, tokenizer: Any) -> ScoreHead
         )
     if not config.get("is_original_qwen3_reranker"):
         return "classifier_from_token is served with is_original_qwen3_reranker true (Qwen3-Reranker's prompt) only"
+    if spec.model_type != "qwen3":
+        return f"is_original_qwen3_reranker is for a Qwen3 checkpoint; this is {spec.model_type}"
     if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
         return f"classifier_from_token must be two tokens [false, true], got {tokens!r}"
     ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]

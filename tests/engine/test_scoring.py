@@ -135,3 +135,14 @@ def test_a_cross_encoder_with_modules_after_the_classifier_is_refused_at_load(ro
     # It can neither embed nor score: refused at load, with both reasons.
     with pytest.raises(ValueError, match=r"cannot embed: .*Dense.*nor score: .*\['Transformer', 'Dense'\]"):
         LLM(str(path), **F32)
+
+
+def test_qwen3_reranker_keys_on_another_family_are_refused(root):
+    from conveyor.engine.testing import build_tiny_model
+
+    path = build_tiny_model(root / "llama-with-reranker-keys", "llama")
+    config = json.loads((path / "config.json").read_text())
+    config.update(classifier_from_token=["Ġtwo", "Ġone"], is_original_qwen3_reranker=True)
+    (path / "config.json").write_text(json.dumps(config))
+    out = LLM(str(path), **F32).score("a", "b")[0]
+    assert out.score is None and "is for a Qwen3 checkpoint; this is llama" in (out.error or "")
