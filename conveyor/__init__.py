@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         RequestMetrics,
         RequestOutput,
         SamplingParams,
+        ScoreOutput,
         StartupTimings,
         StructuredOutputs,
     )
@@ -39,6 +40,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ScoreOutput",
     "StartupTimings",
     "StructuredOutputs",
 ]

@@ -4,7 +4,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.llm import LLM
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
+from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.startup import StartupTimings
@@ -20,6 +20,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ScoreOutput",
     "StartupTimings",
     "StructuredOutputs",
 ]

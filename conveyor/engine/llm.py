@@ -15,7 +15,7 @@ import torch
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.llm_engine import LLMEngine, Prompt
-from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
+from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
 
@@ -166,6 +166,30 @@ class LLM:
         return [
             EmbeddingOutput(out.embedding or [], len(out.prompt_token_ids), out.error)
             for out in self.generate(texts, params, use_tqdm=use_tqdm)
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_tqdm: bool = False,
+    ) -> list[ScoreOutput]:
+        """As vLLM's ``LLM.score``: one relevance score per pair, in input order. ``text_1``
+        one string is scored against every ``text_2`` (1:N); two lists of one length pair up
+        (N:N). The model's scoring head computes it (``conveyor.engine.scoring``); a model
+        without one, or a pair the engine rejects, gets ``score`` None and the reason in ``error``."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one, or as many")
+        params = SamplingParams(pooling=PoolingParams(task="score"))
+        prompts: list[Prompt] = [{"text_pair": [a, b]} for a, b in zip(firsts, seconds, strict=True)]
+        return [
+            ScoreOutput(out.score, len(out.prompt_token_ids), out.error)
+            for out in self.generate(prompts, params, use_tqdm=use_tqdm)
         ]
 
 

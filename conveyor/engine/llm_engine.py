@@ -27,6 +27,7 @@ from conveyor.engine.pooling import embedding_support
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scoring import score_head
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
 from conveyor.engine.startup import StartupTimings, sync
@@ -148,7 +149,8 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids, compile_budget_s=config.inputs.grammar_compile_seconds
         )
         self.runner.sampler.structured = self.structured
-        self.embedding = embedding_support(model_path, self.model_spec, config)
+        score = score_head(model_path, self.model_spec, self.runner.model, self.tokenizer)
+        self.embedding = embedding_support(model_path, self.model_spec, config, score)
         chunked = config.scheduler.enable_chunked_prefill
         no_chunks = "" if chunked else ", max_num_batched_tokens without chunked prefill"
         self.inputs = InputProcessor(
@@ -356,6 +358,7 @@ class LLMEngine:
             error=req.error,
             prompt=req.prompt_text,
             embedding=req.embedding,
+            score=req.pooling.score if req.pooling is not None else None,
         )
 
     def shutdown(self) -> None:

@@ -70,6 +70,8 @@ class RequestOutput:
     prompt: str | None = field(default=None, repr=False)
     # An embedding request's vector (``SamplingParams.pooling``), in its finished output.
     embedding: list[float] | None = field(default=None, repr=False)
+    # A score request's relevance score (``PoolingParams(task="score")``), in its finished output.
+    score: float | None = None
 
 
 @dataclass
@@ -78,5 +80,15 @@ class EmbeddingOutput:
     An input the engine rejects has an empty ``embedding`` and the reason in ``error``."""
 
     embedding: list[float]
+    num_prompt_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class ScoreOutput:
+    """``LLM.score``'s result for one pair: its score and how many tokens the pair's prompt
+    was. A pair the engine rejects has ``score`` None and the reason in ``error``."""
+
+    score: float | None
     num_prompt_tokens: int
     error: str | None = None

@@ -25,6 +25,7 @@ from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.pooling_state import PoolingState
 from conveyor.engine.request import Request
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scoring import ScoreHead
 from conveyor.engine.step_result import StepResult
 
 
@@ -66,6 +67,10 @@ class PoolingHook:
             state = plan.req.pooling
             assert state is not None  # planned for it
             start, last_chunk = plan.data
+            if state.scorer is not None:  # a score request: its head reads its row (one, whole prompt)
+                if last_chunk:
+                    state.score = state.scorer(logits_of, plan.rows)
+                continue
             rows = logits_of.hidden(plan.rows).float()
             if state.params.pooling == "mean":
                 part = rows.sum(dim=0)
@@ -79,15 +84,22 @@ class PoolingHook:
 
 
 class EngineEmbedding:
-    """What the engine knows of embedding: the model's pooling, or why it cannot embed."""
+    """What the engine knows of embedding and scoring: the model's pooling, or why it cannot
+    embed; its scoring head, or why it cannot score (``conveyor.engine.scoring``)."""
 
     def __init__(
-        self, config: PoolingConfig | None, hidden_size: int, refusal: str | None, generates: bool = True
+        self,
+        config: PoolingConfig | None,
+        hidden_size: int,
+        refusal: str | None,
+        generates: bool = True,
+        score: ScoreHead | str = "this engine was built without a scoring head",
     ) -> None:
         self.config = config
         self.hidden_size = hidden_size
         self.refusal = refusal  # why this engine embeds nothing (None: it can)
         self.generates = generates  # False for an encoder, which has no vocabulary head
+        self.score = score  # the scoring head, or why score requests are refused
 
     def request(self, params: SamplingParams) -> tuple[SamplingParams, PoolingState | None]:
         """A request's sampling (one greedy token, for an embedding request) and its pooling
@@ -97,11 +109,17 @@ class EngineEmbedding:
         if params.pooling is None:
             return params, None
         assert isinstance(params.pooling, PoolingParams)  # SamplingParams turned a dict into one
-        if self.refusal is not None or self.config is None:
-            raise ValueError(f"this model cannot embed: {self.refusal}")
         if params.n != 1:
-            raise ValueError("an embedding request has n=1")
-        state = PoolingState(self.config.resolve(params.pooling, self.hidden_size))
+            raise ValueError(f"an {'embedding' if params.pooling.task == 'embed' else 'score'} request has n=1")
+        if params.pooling.task == "score":
+            if isinstance(self.score, str):
+                raise ValueError(f"this model cannot score: {self.score}")
+            resolved = ResolvedPooling(pooling=self.score.pooling, normalize=False, dimensions=None)
+            state = PoolingState(resolved, scorer=self.score.scorer)
+        elif self.refusal is not None or self.config is None:
+            raise ValueError(f"this model cannot embed: {self.refusal}")
+        else:
+            state = PoolingState(self.config.resolve(params.pooling, self.hidden_size))
         sampling = replace(
             params,
             max_tokens=1,
@@ -121,20 +139,23 @@ class EngineEmbedding:
         return sampling, state
 
 
-def embedding_support(model_dir: Path, spec: ModelSpec, config: EngineConfig) -> EngineEmbedding:
+def embedding_support(
+    model_dir: Path, spec: ModelSpec, config: EngineConfig, score: ScoreHead | str
+) -> EngineEmbedding:
     """The engine's embedding: the checkpoint's pooling (``conveyor.engine.pooling_config``), or why
     its requests for vectors are refused (a generation model with no usable pooling config
     still generates). An encoder only embeds (one whose pooling files are refused is refused at
     load); without sentence-transformers' files it pools the mean, as sentence-transformers
-    does for a plain encoder checkpoint."""
+    does for a plain encoder checkpoint. ``score``: the model's scoring head, or why it has none."""
     hidden_size, generates = spec.hidden_size, not spec.encoder
     if config.parallel.tensor_parallel_size > 1:
-        return EngineEmbedding(None, hidden_size, "embedding under tensor parallelism is not supported", generates)
+        why = "embedding under tensor parallelism is not supported"
+        return EngineEmbedding(None, hidden_size, why, generates, "scoring under tensor parallelism is not supported")
     default = PoolingConfig(pooling="mean", normalize=False) if spec.encoder else PoolingConfig()
     try:
         pooling = read_pooling_config(model_dir, default) if model_dir.is_dir() else default
     except ValueError as exc:
-        if spec.encoder:  # (it can do nothing else: refused at load)
-            raise ValueError(f"this encoder cannot embed: {exc}") from None
-        return EngineEmbedding(None, hidden_size, str(exc), generates)
-    return EngineEmbedding(pooling, hidden_size, None, generates)
+        if spec.encoder and isinstance(score, str):  # (it can do nothing else: refused at load)
+            raise ValueError(f"this encoder cannot embed: {exc}; nor score: {score}") from None
+        return EngineEmbedding(None, hidden_size, str(exc), generates, score)
+    return EngineEmbedding(pooling, hidden_size, None, generates, score)

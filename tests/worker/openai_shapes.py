@@ -42,6 +42,63 @@ class BatchRequestOutput(_Strict):
     error: OutputError | None
 
 
+class _ScoreData(_Strict):
+    index: int
+    object: str
+    score: float
+
+
+class _ScoreUsage(_Strict):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+
+
+class ScoreResponse(_Strict):
+    """vLLM's ``/v1/score`` response (no OpenAI type exists)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[_ScoreData]
+    usage: _ScoreUsage
+
+
+class _RerankDocument(_Strict):
+    text: str
+
+
+class _RerankResult(_Strict):
+    index: int
+    document: _RerankDocument | None = None
+    relevance_score: float
+
+
+class _RerankUsage(_Strict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(_Strict):
+    """vLLM's (Cohere/Jina's) ``/v1/rerank`` response."""
+
+    id: str
+    model: str
+    usage: _RerankUsage
+    results: list[_RerankResult]
+
+
+def _score_kind(body: dict[str, Any]) -> type[BaseModel] | None:
+    """vLLM's score or rerank response type for ``body``, or None for OpenAI's bodies."""
+    if "results" in body and "object" not in body:
+        return RerankResponse
+    data = body.get("data")
+    if body.get("object") == "list" and isinstance(data, list) and data and data[0].get("object") == "score":
+        return ScoreResponse
+    return None
+
+
 def _echoed_first_token_filled(body: dict[str, Any]) -> dict[str, Any]:
     """A completion's body with the echoed prompt's first token given a logprob. OpenAI (and
     vLLM) send null there, as nothing predicts a text's first token, but the SDK's type has
@@ -85,7 +142,7 @@ def check_output_line(data: str, *, results: bool) -> BatchRequestOutput:
                 "response": Response,
                 "list": CreateEmbeddingResponse,
             }
-            kind = kinds.get(response.body["object"], Completion)
+            kind = _score_kind(response.body) or kinds.get(response.body["object"], Completion)
             kind.model_validate(_base64_vectors_decoded(_echoed_first_token_filled(response.body)), strict=True)
         else:
             # A request that got an HTTP error: OpenAI's error body, typed for its status.

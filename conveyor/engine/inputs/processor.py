@@ -78,7 +78,10 @@ class InputProcessor:
                 f"logit_bias token id {bad[0]} is not in the vocabulary [0, {self.vocab_size})"
                 + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
             )
-        ids, text = self.tokenize(prompt)
+        if pooling is not None and pooling.scorer is not None:
+            ids, text = self.tokenize_pair(prompt), None
+        else:
+            ids, text = self.tokenize(prompt)
         if len(ids) >= self.max_request_tokens:
             raise self._too_long(f"{len(ids)} tokens")
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
@@ -113,6 +116,35 @@ class InputProcessor:
                     raise ValueError(f"prompt token id {t!r} is not in the vocabulary [0, {self.vocab_size})")
             return list(prompt), None
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def tokenize_pair(self, prompt: Prompt) -> list[int]:
+        """A score request's token ids: ``{"text_pair": [text_1, text_2]}`` as the model's
+        scoring head puts a pair into one prompt (``conveyor.engine.scoring``)."""
+        pair = prompt.get("text_pair") if isinstance(prompt, dict) and set(prompt) == {"text_pair"} else None
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise ValueError('a score request\'s prompt is {"text_pair": [text_1, text_2]}, two strings')
+        for field, text in zip(("text_1", "text_2"), pair, strict=True):
+            if not text:
+                raise ValueError(f"{field} is empty")
+            check_text(text, field)
+        size = sum(len(t.encode("utf-8")) for t in pair)
+        at_least = sum(min_tokens(t, self.max_bytes_per_token) for t in pair)
+        if at_least >= self.max_request_tokens:
+            raise self._too_long(f"at least {at_least} tokens ({size} bytes)")
+        head = self.embedding.score
+        assert not isinstance(head, str)  # a scorer was given: the head exists
+        begin = time.perf_counter()
+        try:
+            ids = head.encode(self.tokenizer, pair[0], pair[1])
+        except Exception as exc:  # tokenizers raise several types; one request's problem, not the batch's
+            raise ValueError(f"the tokenizer cannot encode the pair: {type(exc).__name__}: {exc}") from None
+        took = time.perf_counter() - begin
+        if self.tokenize_seconds is not None and took > self.tokenize_seconds:
+            raise InputRejected(
+                f"the pair took {took:.1f} s to tokenize, over CONVEYOR_TOKENIZE_SECONDS={self.tokenize_seconds:g}",
+                PROMPT_TOO_LONG,
+            )
+        return ids
 
     def _too_long(self, size: str) -> InputRejected:
         return InputRejected(

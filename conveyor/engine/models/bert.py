@@ -1,11 +1,15 @@
 """Encoder-only embedders: BERT and XLM-RoBERTa (bge-m3, e5, MiniLM...), as transformers'
 ``BertModel`` and ``XLMRobertaModel`` compute them over a flat, unpadded batch of whole inputs.
 
-Word, absolute position and token type embeddings (the type is 0: one text per input) then a
-LayerNorm; each layer is bidirectional attention and a GELU feed-forward block, each followed
+Word, absolute position and token type embeddings then a LayerNorm (a token's type rides in
+its id: ``type * vocab_size + word``, ``encode_token_types``; a single text is all type 0, a
+cross-encoder's pair has its second text's tokens at type 1, as the tokenizer says); each
+layer is bidirectional attention and a GELU feed-forward block, each followed
 by a residual add and a LayerNorm (post-LN). The output is the last layer's hidden states,
 which ``conveyor.engine.pooling`` pools (CLS or mean, as the checkpoint's sentence-transformers files
-say); the checkpoint's pooler head, which sentence-transformers ignores, is not loaded.
+say); the checkpoint's pooler head, which sentence-transformers ignores, is not loaded. A
+``*ForSequenceClassification`` checkpoint (a cross-encoder) also loads its classification
+head (``conveyor.engine.models.bert_heads``), which scoring runs on the first token.
 
 Every token attends to every token of its own input, so an input runs whole in one step and
 nothing is cached: ``encoder_engine_config`` turns chunked prefill and the prefix cache off
@@ -24,6 +28,7 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.distributed.sharding import WeightSlot
+from conveyor.engine.models.bert_heads import ClassifierHead
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.kernels.utils import cdiv
 
@@ -39,6 +44,13 @@ _ACTIVATIONS = {
 
 # Checkpoint tensors an embedder does not use: the pooler head, the stored position ids.
 _UNUSED_TENSORS = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
+# Where a ``*ForSequenceClassification`` checkpoint keeps the encoder's own tensors.
+_CLASSIFIER_PREFIXES = ("bert.", "roberta.")
+
+
+def encode_token_types(ids: list[int], types: list[int], vocab_size: int) -> list[int]:
+    """Token ids carrying their token types (``BertEncoder.forward`` splits them again)."""
+    return [word + vocab_size * kind for word, kind in zip(ids, types, strict=True)]
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -129,13 +141,16 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = _param(spec.type_vocab_size, hidden, dtype=dtype, device=device)
         self.embed_norm = _LayerNorm(hidden, spec.layer_norm_eps, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.score_head = ClassifierHead(spec, dtype, device) if spec.num_labels else None
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend: AttentionBackend, kv_caches) -> torch.Tensor:
         lengths = whole_input_lengths(backend)
+        types = torch.div(input_ids, self.spec.vocab_size, rounding_mode="floor")
+        input_ids = input_ids - types * self.spec.vocab_size
         x = F.embedding(input_ids, self.word_embeddings)
         x = x + F.embedding(self._position_ids(input_ids, positions), self.position_embeddings)
-        x = self.embed_norm(x + self.token_type_embeddings[0])
+        x = self.embed_norm(x + F.embedding(types, self.token_type_embeddings))
         for layer in self.layers:
             x = layer(x, lengths)
         return x
@@ -161,7 +176,11 @@ class BertEncoder(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """The checkpoint tensor's name, or None for those an embedder does not use (the
-        pooler head; the stored position ids)."""
+        pooler head, unless a cross-encoder's head runs it; the stored position ids)."""
+        if self.score_head is not None:
+            if name in self.score_head.weight_slots():
+                return name
+            name = name.removeprefix(next((p for p in _CLASSIFIER_PREFIXES if name.startswith(p)), ""))
         return None if name in _UNUSED_TENSORS else name
 
     def weight_slots(self) -> dict[str, WeightSlot]:
@@ -178,6 +197,8 @@ class BertEncoder(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, EncoderLayer)  # (for the type checker)
             slots.update(layer.weight_slots(f"encoder.layer.{i}."))
+        if self.score_head is not None:
+            slots.update(self.score_head.weight_slots())
         return slots
 
 

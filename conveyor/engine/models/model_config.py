@@ -43,6 +43,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "BertModel": "bert",
     "XLMRobertaModel": "xlm-roberta",
+    # Cross-encoders (a classification head over the encoder: ``conveyor.engine.models.bert_heads``).
+    "BertForSequenceClassification": "bert",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -114,6 +117,8 @@ class ModelSpec:
     type_vocab_size: int = 0
     position_offset: int = 0
     pad_token_id: int | None = None
+    # A cross-encoder's classifier outputs (``*ForSequenceClassification``); 0: no classifier.
+    num_labels: int = 0
 
     @property
     def kv_cache_layers(self) -> int:
@@ -663,4 +668,11 @@ def _encoder_spec(cfg: dict, architecture: str) -> ModelSpec:
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         position_offset=offset,
         pad_token_id=None if pad is None else int(pad),
+        num_labels=_num_labels(cfg) if architecture.endswith("ForSequenceClassification") else 0,
     )
+
+
+def _num_labels(cfg: dict) -> int:
+    """A classifier's outputs as transformers counts them: ``id2label``'s size, else ``num_labels``, else 2."""
+    labels = cfg.get("id2label")
+    return len(labels) if isinstance(labels, dict) and labels else int(cfg.get("num_labels", 2))

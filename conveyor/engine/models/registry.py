@@ -39,6 +39,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[BertEncoder]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "BertModel": BertEncoder,
     "XLMRobertaModel": BertEncoder,
+    "BertForSequenceClassification": BertEncoder,
+    "XLMRobertaForSequenceClassification": BertEncoder,
 }
 
 

@@ -92,7 +92,7 @@ def answer_rows(number: int, record: dict[str, Any]) -> Iterator[AnswerRow]:
         code, message = error.get("code"), error.get("message")
         yield AnswerRow(custom_id, "failed", status_code=status_code, error_code=code, error_message=message)
         return
-    kind = body.get("object")
+    kind = body.get("object") or ("rerank" if "results" in body else None)  # (a rerank response has no object)
     if kind in ("chat.completion", "text_completion"):
         usage = body.get("usage") or {}
         tokens = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens")}

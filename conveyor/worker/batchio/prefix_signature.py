@@ -74,6 +74,10 @@ def canonical_prompt(request: ParsedRequest) -> bytes:
             extra = {k: v for k, v in message.items() if k not in ("role", "content")}
             if extra:  # tool calls, names: after the content, as templates render them
                 parts.append("\x1f" + _text(extra))
+    elif request.pairs is not None:
+        # A score or rerank line's pairs, in order: pairs that share a query share a prefix.
+        for first, second in request.pairs:
+            parts.append(first + "\x1f" + second + "\x1e")
     else:
         if request.system_prompt is not None:
             parts.append("\x1esystem\x1f" + request.system_prompt + "\x1e")

@@ -33,7 +33,9 @@ from conveyor.worker.batchio.request_body import (
     template_controls,
 )
 from conveyor.worker.batchio.request_options import RequestOptions
+from conveyor.worker.batchio.rerank_body import RERANK, RerankOptions, parse_rerank_body
 from conveyor.worker.batchio.responses_body import RESPONSES, chat_body
+from conveyor.worker.batchio.score_body import SCORE, SCORE_SAMPLING, parse_score_body
 from conveyor.worker.batchio.tools import ToolRequest, apply_tools
 from conveyor.worker.core.limits import MAX_CUSTOM_ID_CHARS, InputLimits
 
@@ -70,7 +72,7 @@ class InputTooLarge(InputError):
 @dataclass(frozen=True)
 class ParsedRequest:
     """One valid input line. Exactly one of ``prompt`` / ``messages`` / ``inputs`` (an
-    embeddings request's) is set."""
+    embeddings request's) / ``pairs`` (a score or rerank request's) is set."""
 
     line: int  # 1-based line number in the input file (CSV: the record's first line)
     custom_id: str
@@ -94,6 +96,8 @@ class ParsedRequest:
     echoed: dict[str, Any] | None = None
     inputs: list[EmbeddingInput] | None = None  # an embeddings request's inputs, one vector each
     encoding_format: str | None = None  # ... and how its vectors are written (float, base64)
+    pairs: list[list[str]] | None = None  # a score or rerank request's [text_1, text_2] pairs, one score each
+    rerank: RerankOptions | None = None  # ... a rerank request's top_n and return_documents
 
     def to_json(self) -> dict[str, Any]:
         """A compact dict for a shard's input file (``from_json`` reads it back)."""
@@ -102,6 +106,10 @@ class ParsedRequest:
             data["messages"] = self.messages
         elif self.inputs is not None:
             data["inputs"], data["encoding_format"] = self.inputs, self.encoding_format
+        elif self.pairs is not None:
+            data["pairs"] = self.pairs
+            if self.rerank is not None:
+                data["rerank"] = self.rerank.to_json()
         else:
             data["prompt"] = self.prompt
         data["sampling"] = self.sampling
@@ -139,6 +147,8 @@ class ParsedRequest:
             echoed=data.get("echoed"),
             inputs=data.get("inputs"),
             encoding_format=data.get("encoding_format"),
+            pairs=data.get("pairs"),
+            rerank=RerankOptions.from_json(data["rerank"]) if data.get("rerank") else None,
         )
 
 
@@ -218,6 +228,12 @@ def request_from_object(
         # The job's sampling defaults are for generation: an embeddings body is read as sent.
         inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=strict)
         return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
+    if endpoint == SCORE:
+        pairs = parse_score_body(obj["body"], limits)
+        return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs)
+    if endpoint == RERANK:
+        pairs, rerank = parse_rerank_body(obj["body"], limits)
+        return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs, rerank=rerank)
     echoed = None
     if endpoint == RESPONSES:
         echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}

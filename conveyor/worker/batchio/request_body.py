@@ -20,12 +20,14 @@ from conveyor.worker.batchio.anthropic_body import MESSAGES
 from conveyor.worker.batchio.body_errors import InvalidRequest, shown
 from conveyor.worker.batchio.embeddings_body import EMBEDDINGS
 from conveyor.worker.batchio.reasoning_parsers import REASONING_EFFORTS
+from conveyor.worker.batchio.rerank_body import RERANK
 from conveyor.worker.batchio.responses_body import RESPONSES
+from conveyor.worker.batchio.score_body import SCORE
 from conveyor.worker.core.limits import InputLimits
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, SCORE, RERANK)
 # What a batch line's url may name: OpenAI's endpoints and Anthropic's Messages (the Message
 # Batches door stores its requests as such lines).
 LINE_ENDPOINTS = (*ENDPOINTS, MESSAGES)

@@ -29,6 +29,8 @@ def write_results_parquet(lines: Iterable[bytes], out: Target) -> ParquetExport:
             break
     body = ((json.loads(head[-1]).get("response") or {}).get("body") or {}) if head and head[-1].strip() else {}
     rest = itertools.chain(head, stream)
-    if body.get("object") == "list":
+    data = body.get("data")
+    # (a score response is a "list" too, of scores: not vectors)
+    if body.get("object") == "list" and not (isinstance(data, list) and data and data[0].get("object") == "score"):
         return ParquetExport(write_embeddings_parquet(rest, out), "vectors")
     return ParquetExport(write_answers_parquet(rest, out), "answers")

@@ -40,6 +40,10 @@ class InputLimits:
     max_logit_bias: int = 300
     max_messages: int = 1024
     max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings line (OpenAI's limit)
+    # Pairs of one /v1/score line, documents of one /v1/rerank line (Cohere's limit), and the
+    # characters of each text in them (the engine refuses a pair too long for the model).
+    max_score_pairs: int = 1000
+    max_score_text_chars: int = 256 * KiB
     # Structured outputs and tools: a JSON Schema (response_format, a tool's parameters, all
     # of a request's tools together) as compact JSON, its nesting, a choice's entries, tools.
     max_schema_bytes: int = 64 * KiB

@@ -125,6 +125,7 @@ class PromptList:
     refuses them all, naming it."""
 
     prompts: list[Any]
+    name: str = "input"  # what a refusal calls prompt i: ``input[i]``, ``pair[i]``...
 
 
 @dataclass
@@ -356,7 +357,7 @@ class EngineHost:
             except ValueError as exc:
                 if not isinstance(sub.prompt, PromptList):
                     raise
-                raise InputRejected(f"input[{i}]: {exc}", error_code(exc)) from None
+                raise InputRejected(f"{sub.prompt.name}[{i}]: {exc}", error_code(exc)) from None
         return prepared
 
     def _prepared(self, sub: _Submission, prepared: list[Any] | None, error: Exception | None) -> None:
@@ -462,7 +463,8 @@ class EngineHost:
         except ValueError as exc:
             if added:  # their abort outputs come back unclaimed, and are skipped
                 self._engine_call(self._engine.abort_request, added)
-            message = f"input[{len(added)}]: {exc}" if many else str(exc)
+            name = sub.prompt.name if isinstance(sub.prompt, PromptList) else "input"
+            message = f"{name}[{len(added)}]: {exc}" if many else str(exc)
             self._resolve(sub, Completion(rid, rejected=True, error=message, code=error_code(exc)))
             return False
         except Exception as exc:

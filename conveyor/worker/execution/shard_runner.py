@@ -65,6 +65,7 @@ from conveyor.worker.execution.item_records import (
     sampling_params,
 )
 from conveyor.worker.execution.reasoning import NO_REASONING, reasoning_of
+from conveyor.worker.execution.score_records import score_record
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.cache_salt import cache_salt
 from conveyor.worker.jobs.finalize import finalize_if_ready
@@ -528,6 +529,8 @@ class ShardRunner:
             )
         if req.inputs is not None:
             return embedding_record(self._item_ctx, req, completion)
+        if req.pairs is not None:
+            return score_record(self._item_ctx, req, completion)
         return completion_record(self._item_ctx, req, completion, pieces, decode, self._reasoning)
 
     def _place_owed(self, owner: str) -> bool:

@@ -58,3 +58,16 @@ def test_a_line_of_another_kind_is_refused_and_leaves_no_file(tmp_path) -> None:
     with pytest.raises(NotAnswers, match=r"line 2 \('s'\) is a 'rerank' response"):
         write_answers_parquet([_line("c", COMPLETION), _line("s", {"object": "rerank"})], out)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "body,kind",
+    [
+        ({"object": "list", "data": [{"index": 0, "object": "score", "score": 0.5}]}, "'list'"),
+        ({"id": "rerank-1", "results": [{"index": 0, "relevance_score": 0.5}]}, "'rerank'"),
+    ],
+)
+def test_score_and_rerank_results_are_refused_with_their_kind(tmp_path, body, kind) -> None:
+    with pytest.raises(NotAnswers, match=rf"line 1 \('s'\) is a {kind} response"):
+        write_results_parquet([_line("s", body)], tmp_path / "out.parquet")
+    assert list(tmp_path.iterdir()) == []

@@ -57,3 +57,20 @@ def test_canonical_text_follows_prompt_order_roles_and_tools() -> None:
     longer = ParsedRequest(line=1, custom_id="p", endpoint="/v1/completions", sampling={}, prompt=[1, 22, 3, 4])
     assert canonical_prompt(prompt).endswith(b"hello")
     assert canonical_prompt(longer).startswith(canonical_prompt(ids))  # token prefixes stay text prefixes
+
+
+def _pairs(query: str, *documents: str) -> ParsedRequest:
+    return ParsedRequest(
+        line=1, custom_id="r", endpoint="/v1/rerank", sampling={}, pairs=[[query, d] for d in documents]
+    )
+
+
+def test_score_lines_that_share_a_query_share_the_depths_it_covers() -> None:
+    query = "q" * 1000
+    a = prefix_signature(_pairs(query, "first document", "second"), KEY)
+    b = prefix_signature(_pairs(query, "another document"), KEY)
+    # 64 B to 512 B lie inside the shared query; 1 KiB reaches past it.
+    assert shared_levels(a.digests, b.digests) == 4
+    assert shared_levels(a.digests, prefix_signature(_pairs("r" * 1000, "first document"), KEY).digests) == 0
+    text = canonical_prompt(_pairs(query, "first document", "second"))
+    assert text.index(b"first document") < text.index(b"second")  # pairs in line order

@@ -144,3 +144,31 @@ def test_intake_groups_valid_lines_and_reports_invalid_ones_by_line(
                 doc = json.loads(x)["messages"][1]["content"].split(":")[0]
                 assert doc_shard.setdefault(doc, plan.index) == plan.index
     assert result.prefix is not None and 0 < result.prefix.shared_prefix_bytes < result.prefix.prompt_bytes
+
+
+def test_intake_puts_rerank_lines_that_share_a_query_in_one_shard(tmp_path_factory) -> None:
+    queries = [f"query {q}: " + f"what does guest {q} order? " * 30 for q in range(4)]
+    rows = [
+        {
+            "custom_id": f"q{q}-{i}",
+            "method": "POST",
+            "url": "/v1/rerank",
+            "body": {"query": queries[q], "documents": [f"document {i}", "soup"], "top_n": 1},
+        }
+        for q in range(4)
+        for i in range(5)
+    ]
+    random.Random(7).shuffle(rows)
+    store = LocalStore(tmp_path_factory.mktemp("objects"))
+    result = ingest(
+        io.BytesIO(jsonl(rows)), store, "batch_r", limits=InputLimits(), input_format=InputFormat.jsonl,
+        shard_size=10, max_shards=10_000, grouping=Grouping(KEY, memory_bytes=4096),
+    )  # fmt: skip
+    shard_of: dict[str, int] = {}
+    for plan in result.shards:
+        for x in read_object(store, object_keys.shard_input_key(plan.index)).splitlines():
+            record = json.loads(x)
+            query = record["pairs"][0][0]
+            assert record["rerank"] == {"top_n": 1, "return_documents": True}
+            assert shard_of.setdefault(query, plan.index) == plan.index
+    assert sorted(shard_of) == sorted(queries) and len(set(shard_of.values())) >= 2
