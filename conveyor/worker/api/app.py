@@ -4,7 +4,8 @@ It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (e
 its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
 broker as the workers (``conveyor.worker.api.services``). Errors are OpenAI's (``conveyor.worker.api.errors``),
 but on Anthropic's Message Batches (``conveyor.worker.api.routes_message_batches``), which are Anthropic's.
-While it runs, a background thread deletes uploaded files past their ``expires_at``, and another
+While it runs, a background thread deletes files (uploads, batch outputs) past their ``expires_at``, counted in
+``/metrics``, and another
 takes broker submissions (``conveyor.worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
 so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
 the job-end announcements still due (``conveyor.worker.broker.announce``), which workers do as well.
@@ -32,8 +33,6 @@ from conveyor.worker.metrics.exposition import ApiMetrics
 
 log = logging.getLogger(__name__)
 
-EXPIRED_FILES_INTERVAL_SECONDS = 300.0
-
 
 def create_app(
     settings: Settings,
@@ -51,8 +50,8 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         janitor = Periodic(
             "conveyor-expired-files",
-            EXPIRED_FILES_INTERVAL_SECONDS,
-            lambda: delete_expired_files(services.db, services.store),
+            settings.expired_files_interval_seconds,
+            lambda: metrics.files_expired(delete_expired_files(services.db, services.store)),
         ).start()
         background = [janitor]
         submissions = None

@@ -15,6 +15,7 @@ from sqlalchemy import insert, select, text, update
 
 from conveyor.worker.batchio.batch_scan import MAX_MODELS, BatchScanner
 from conveyor.worker.jobs.files import (
+    ExpiredFiles,
     FileInUse,
     FileNotFound,
     FileTooLarge,
@@ -156,10 +157,10 @@ def test_file_pages_and_expiry(tmp_path, db_engine) -> None:
 
     with db_engine.begin() as conn:
         conn.execute(update(StoredFile).where(StoredFile.id == ids[0]).values(expires_at=time.time() - 1))
-    with pytest.raises(FileNotFound):
+    with pytest.raises(FileNotFound, match=f"File {ids[0]} expired at"):
         get_file(db_engine, ids[0], None)
     assert ids[0] not in [f["id"] for f in list_files(db_engine, None)["data"]]
-    assert delete_expired_files(db_engine, store) == 1
+    assert delete_expired_files(db_engine, store) == ExpiredFiles(files=1, bytes=len(b"data 0\n"))
     assert len(list(store.list())) == 4
 
 
