@@ -33,7 +33,7 @@ from conveyor.worker.batchio.batch_scan import BatchScan, BatchScanner
 from conveyor.worker.core.limits import MAX_FILENAME_CHARS
 from conveyor.worker.core.storable_text import check_storable
 from conveyor.worker.jobs.object_keys import is_job_id
-from conveyor.worker.store.models import Job, JobStatus, StoredFile, now
+from conveyor.worker.store.models import Item, Job, JobStatus, StoredFile, now
 from conveyor.worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore, ObjectWriter
 
 _FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
@@ -237,8 +237,7 @@ def get_file_info(db: Engine, file_id: str, owner: str | None) -> StoredFileInfo
         row = _row(conn, file_id, owner)
         expired_at = None if row is not None else _expired_at(conn, file_id, owner)
     if expired_at is not None:
-        when = datetime.fromtimestamp(expired_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        raise FileExpired(f"File {file_id} expired at {when} (its expires_at) and was deleted.")
+        raise FileExpired(f"File {file_id} expired at {expiry_time(expired_at)} (its expires_at) and was deleted.")
     if row is None:
         raise FileNotFound(f"No such File object: {file_id!s:.80}")
     return StoredFileInfo(file_object(row), row.uri, row.metadata, row.job_id)
@@ -365,7 +364,8 @@ class ExpiredFiles:
 def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) -> ExpiredFiles:
     """Delete up to ``limit`` files past their ``expires_at``: the row, then the bytes, but only
     under the file's own key (an upload's ``files/<id>/``, a batch output's ``jobs/<job id>/``).
-    A batch's output file leaves its expiry in the job's metrics, so a later read says it expired.
+    A batch's output file leaves its expiry in the job's metrics, so a later read says it expired;
+    with its last output file go the job's items (the answers the files were made of).
     A batch that has not read its input yet keeps it."""
     with db.connect() as conn:
         ids = list(
@@ -391,6 +391,9 @@ def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) ->
             conn.execute(delete(StoredFile).where(StoredFile.id == file_id))
             if row.job_id is not None:
                 _record_expiry(conn, row.job_id, file_id, float(row.expires_at))
+                if not conn.execute(select(StoredFile.id).where(StoredFile.job_id == row.job_id).limit(1)).first():
+                    # Its last output file: the answers its items hold expire with it.
+                    conn.execute(delete(Item).where(Item.job_id == row.job_id))
         with contextlib.suppress(InvalidKey):  # (an object outside the store is not ours to delete)
             key = store.key_of(row.uri)
             if key.startswith(_own_prefix(file_id, row.job_id)):
@@ -402,6 +405,18 @@ def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) ->
 
 def _own_prefix(file_id: str, job_id: str | None) -> str:
     return f"jobs/{job_id}/" if job_id is not None and is_job_id(job_id) else f"files/{file_id}/"
+
+
+def outputs_expired_at(job_metrics: dict[str, Any] | None) -> float | None:
+    """When a job's output files expired and were deleted (the first of them), from its
+    metrics; None if none has."""
+    gone = (job_metrics or {}).get(EXPIRED_FILES)
+    stamps = [float(t) for t in gone.values() if isinstance(t, (int, float))] if isinstance(gone, dict) else []
+    return min(stamps, default=None)
+
+
+def expiry_time(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _record_expiry(conn: Connection, job_id: str, file_id: str, expires_at: float) -> None:

@@ -11,10 +11,12 @@ import time
 
 import openai
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
+from conveyor.worker.entrypoints.client import Client
 from conveyor.worker.store.database import create_db_engine
-from conveyor.worker.store.models import StoredFile
+from conveyor.worker.store.models import Item, StoredFile
+from conveyor.worker.store.objects.base import ObjectNotFound
 from conveyor.worker.store.objects.factory import open_store_from_settings
 from tests.worker.api_batches import CHAT, MODEL, batch_lines, wait_batch
 from tests.worker.api_server import upload
@@ -74,8 +76,15 @@ def test_output_files_expire_and_the_sweep_deletes_them(pg_redis_s3_stack, serve
         wait_for(swept, 30, "the API's sweep to delete the expired files")
         assert not store.exists(keys[output.id]) and not store.exists(keys[errors.id])
         assert store.exists(keys[other.id])  # the other batch's file is not due
+        # The answers the files were made of go with them; the other batch keeps its own.
+        with db.connect() as conn:
+            items = dict(conn.execute(select(Item.job_id, func.count()).group_by(Item.job_id)).all())
+        assert items == {default.id: 1}
     finally:
         db.dispose()
+    # conveyor results (the Client) says so too, rather than rebuilding them or answering nothing.
+    with Client(stack.settings) as cli, pytest.raises(ObjectNotFound, match=f"job {kept_hour.id} expired at"):
+        list(cli.result_bytes(kept_hour.id))
 
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(past))
     for read in (client.files.retrieve, client.files.content):
