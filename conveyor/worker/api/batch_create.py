@@ -36,6 +36,7 @@ import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.engine import Engine
 from starlette.requests import ClientDisconnect, Request
 
 from conveyor.worker.api.errors import ApiError, bad_request, not_found, validation_error
@@ -58,6 +59,7 @@ from conveyor.worker.jobs.submission import (
     check_metadata,
     create_job,
     http_idempotency_key,
+    job_request_options,
     job_with_key,
 )
 
@@ -248,11 +250,11 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         key = http_idempotency_key(owner, idempotency)
         existing = job_with_key(db, key)
         if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
-            return _same_request(existing, req, metadata)
+            return _same_request(db, existing, req, metadata, keep_outputs)
     try:
         info = get_file_info(db, req.input_file_id, owner)
-    except FileNotFound:
-        raise not_found(f"No such File object: {req.input_file_id}", param="input_file_id") from None
+    except FileNotFound as exc:  # (an expired one says so)
+        raise not_found(str(exc), param="input_file_id") from None
     if info.object["purpose"] != BATCH:
         raise bad_request(
             f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
@@ -289,7 +291,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     if not created:  # the same key, created at the same moment by another request
-        return _same_request(batch, req, metadata)
+        return _same_request(db, batch, req, metadata, keep_outputs)
     try:
         enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
     except Exception as exc:
@@ -298,7 +300,9 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     return batch
 
 
-def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None) -> dict[str, Any]:
+def _same_request(
+    db: Engine, batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None, keep_outputs: int | None
+) -> dict[str, Any]:
     """``batch`` if it was created by this same request, else 409: a key names one request (as
     Stripe's and OpenAI's idempotency keys do), so a reused key with other fields is a mistake."""
     asked = {
@@ -306,6 +310,8 @@ def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, s
         "completion_window": req.completion_window, "metadata": metadata or None,
     }  # fmt: skip
     differs = [name for name, value in asked.items() if (batch.get(name) or None) != value]
+    if job_request_options(db, batch["id"]).output_expires_after != keep_outputs:
+        differs.append("output_expires_after")
     if differs:
         raise ApiError(
             409,

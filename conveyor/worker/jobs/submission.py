@@ -307,6 +307,13 @@ def create_job(
     return get_job(db, job_id), True
 
 
+def job_request_options(db: Engine, job_id: str) -> RequestOptions:
+    """The request options job ``job_id`` was created with (the defaults if there is none)."""
+    with db.connect() as conn:
+        stored = conn.execute(select(Job.request_options).where(Job.id == job_id)).scalar_one_or_none()
+    return RequestOptions.from_json(stored)
+
+
 def job_with_key(db: Engine, idempotency_key: str) -> dict[str, Any] | None:
     """The batch object of the job created under ``idempotency_key``, if any."""
     with db.connect() as conn:

@@ -6,13 +6,18 @@ of a few lines reaches them."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import update
 
+from conveyor.worker.store.database import create_db_engine
+from conveyor.worker.store.models import StoredFile
 from tests.worker.api_batches import CHAT, MODEL, batch_lines
 from tests.worker.api_server import upload
+from tests.worker.helpers import jsonl
 
 EMBEDDINGS = "/v1/embeddings"
 LIMITS = {"batch_max_requests": 3, "batch_max_file_bytes": 4000, "batch_max_embedding_inputs": 5}
@@ -118,3 +123,45 @@ def test_output_expires_after_is_checked_as_openai_checks_it(embedded_stack, ser
     error = refusal(client, upload(client, batch_lines(1)), output_expires_after=value)
     assert (error["param"], error["code"]) == (param, code), error
     assert client.batches.list().data == []
+
+
+def test_an_idempotency_key_names_one_output_expiry(embedded_stack, serve) -> None:
+    server = serve(embedded_stack, models=[MODEL])
+    client = server.client(server.new_key("erin"))
+    file_id = upload(client, batch_lines(1))
+    args: dict[str, Any] = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    key = {"Idempotency-Key": "nightly-1"}
+    hour = {"anchor": "created_at", "seconds": 3600}
+    made = client.batches.create(**args, output_expires_after=hour, extra_headers=key)
+    again = client.batches.create(**args, output_expires_after=hour, extra_headers=key)
+    assert again.id == made.id
+    for other in ({"anchor": "created_at", "seconds": 7200}, None):
+        extra = {} if other is None else {"output_expires_after": other}
+        with pytest.raises(openai.ConflictError) as caught:
+            client.batches.create(**args, **extra, extra_headers=key)
+        assert isinstance(caught.value.body, dict)
+        assert (caught.value.body["param"], caught.value.body["code"]) == (
+            "output_expires_after",
+            "idempotency_key_reused",
+        )
+    assert [b.id for b in client.batches.list()] == [made.id]
+
+
+def test_an_expired_input_file_is_a_404_that_says_so(embedded_stack, serve) -> None:
+    server = serve(embedded_stack, models=[MODEL])
+    client = server.client(server.new_key("erin"))
+    kept = client.files.create(
+        file=("in.jsonl", jsonl(batch_lines(1))),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    db = create_db_engine(server.settings.database)
+    try:  # the hour passes
+        with db.begin() as conn:
+            conn.execute(update(StoredFile).where(StoredFile.id == kept.id).values(expires_at=time.time() - 1))
+    finally:
+        db.dispose()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.batches.create(input_file_id=kept.id, endpoint=CHAT, completion_window="24h")
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "input_file_id"
+    assert caught.value.body["message"].startswith(f"File {kept.id} expired at ")
