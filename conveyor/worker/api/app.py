@@ -29,9 +29,17 @@ from conveyor.worker.broker.submission_consumer import SubmissionConsumer
 from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.files import delete_expired_files
+from conveyor.worker.jobs.message_batch_archive import archive_due
 from conveyor.worker.metrics.exposition import ApiMetrics
 
 log = logging.getLogger(__name__)
+
+
+def _expire(services: ApiServices, metrics: ApiMetrics) -> None:
+    """Delete the files past their ``expires_at`` and the Message Batch results past theirs."""
+    metrics.files_expired(delete_expired_files(services.db, services.store))
+    keep = services.settings.message_batch_results_expire_after_seconds
+    metrics.message_batches_archived(archive_due(services.db, services.store, keep))
 
 
 def create_app(
@@ -51,7 +59,7 @@ def create_app(
         janitor = Periodic(
             "conveyor-expired-files",
             settings.expired_files_interval_seconds,
-            lambda: metrics.files_expired(delete_expired_files(services.db, services.store)),
+            lambda: _expire(services, metrics),
         ).start()
         background = [janitor]
         submissions = None

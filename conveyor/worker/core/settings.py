@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     batch_output_expires_after_seconds: int = Field(30 * 86_400, ge=0, le=10 * 365 * 86_400)
     # How often the API server deletes the files past their ``expires_at`` (bytes and row).
     expired_files_interval_seconds: float = Field(300.0, gt=0, le=86_400)
+    # How long a Message Batch's results are kept after it is created (Anthropic's 29 days): then
+    # the batch shows ``archived_at`` and the API server deletes its results; 0 keeps them until deleted.
+    message_batch_results_expire_after_seconds: int = Field(29 * 86_400, ge=0, le=10 * 365 * 86_400)
     # The most requests one Message Batch (``POST /v1/messages/batches``) holds (Anthropic's
     # limit); more is a 400.
     message_batch_max_requests: int = Field(100_000, ge=1)

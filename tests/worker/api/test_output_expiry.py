@@ -2,22 +2,27 @@
 default), through the official ``openai`` SDK against a worker process, PostgreSQL and S3
 (moto): the file objects show ``expires_at``; once it passes, the API's sweep deletes the
 stored object and the row, a download is a 404 saying the file expired, and ``/metrics``
-counts the files and bytes. Time is moved by setting ``expires_at`` in the database: the
-public bounds (an hour at least) stay as they are."""
+counts the files and bytes. A Message Batch's results go after Anthropic's 29 days (the
+``anthropic`` SDK). Time is moved by setting ``expires_at`` or ``created_at`` in the database:
+the public bounds (an hour at least) stay as they are."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import anthropic
 import openai
 import pytest
 from sqlalchemy import func, select, update
 
 from conveyor.worker.entrypoints.client import Client
+from conveyor.worker.jobs.message_batches import job_id_of
 from conveyor.worker.store.database import create_db_engine
-from conveyor.worker.store.models import Item, StoredFile
+from conveyor.worker.store.models import Item, Job, StoredFile
 from conveyor.worker.store.objects.base import ObjectNotFound
 from conveyor.worker.store.objects.factory import open_store_from_settings
+from tests.worker.api.test_message_batches import wait_ended
 from tests.worker.api_batches import CHAT, MODEL, batch_lines, wait_batch
 from tests.worker.api_server import upload
 from tests.worker.helpers import scrape, wait_for
@@ -100,3 +105,55 @@ def test_output_files_expire_and_the_sweep_deletes_them(pg_redis_s3_stack, serve
     metrics = scrape(server.port)
     assert metrics.value("conveyor_files_expired_total") == 2
     assert metrics.value("conveyor_files_expired_bytes_total") == output.bytes + errors.bytes
+
+
+def test_message_batch_results_are_archived_after_29_days(pg_redis_s3_stack, serve, spawn_worker) -> None:
+    stack = pg_redis_s3_stack.with_values(expired_files_interval_seconds=0.2)
+    worker = spawn_worker(stack, served_model_name=MODEL)
+    server = serve(stack)
+    client = anthropic.Anthropic(base_url=server.url, api_key=server.new_key("alice"), max_retries=0, timeout=60.0)
+    worker.wait_ready()
+    requests: Any = [
+        {
+            "custom_id": f"r{i}",
+            "params": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        }
+        for i in range(2)
+    ]
+    batches = [client.messages.batches.create(requests=requests) for _ in range(2)]
+    old, young = (wait_ended(client, b.id) for b in batches)
+    assert old.archived_at is None and len(list(client.messages.batches.results(old.id))) == 2
+    job_id = job_id_of(old.id)
+
+    db = create_db_engine(stack.settings.database)
+    store = open_store_from_settings(stack.settings).scoped(f"jobs/{job_id}")
+    try:
+        assert store.exists("results.jsonl") and store.exists("custom_ids.txt")
+        sizes = sum(store.size(key) for key in ("results.jsonl", "errors.jsonl", "custom_ids.txt"))
+        created = time.time() - 29 * 86_400 - 1  # Anthropic's 29 days pass for one of them
+        with db.begin() as conn:
+            conn.execute(update(Job).where(Job.id == job_id).values(created_at=created))
+
+        def archived() -> bool:
+            with db.connect() as conn:
+                return conn.execute(select(Job.output_uri).where(Job.id == job_id)).scalar_one() is None
+
+        wait_for(archived, 30, "the API's sweep to archive the batch's results")
+        assert [key for key in ("results.jsonl", "errors.jsonl", "custom_ids.txt") if store.exists(key)] == []
+        with db.connect() as conn:
+            items = dict(conn.execute(select(Item.job_id, func.count()).group_by(Item.job_id)).all())
+        assert items == {job_id_of(young.id): 2}
+    finally:
+        db.dispose()
+    shown = client.messages.batches.retrieve(old.id)
+    assert shown.archived_at is not None and int(shown.archived_at.timestamp()) == int(created + 29 * 86_400)
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        list(client.messages.batches.results(old.id))
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["error"]["message"].startswith(f"The results of message batch {old.id} were archived at")
+    assert client.messages.batches.retrieve(young.id).archived_at is None
+    assert len(list(client.messages.batches.results(young.id))) == 2
+
+    metrics = scrape(server.port)
+    assert metrics.value("conveyor_message_batches_archived_total") == 1
+    assert metrics.value("conveyor_message_batches_archived_bytes_total") == sizes
