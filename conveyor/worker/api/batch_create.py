@@ -242,6 +242,8 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         metadata = check_metadata(req.metadata)
     except MetadataError as exc:
         raise bad_request(str(exc), param="metadata", code=exc.code) from None
+    except ValueError as exc:  # text PostgreSQL cannot store
+        raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
     keep_outputs = output_expiry_seconds(req.output_expires_after, settings.batch_output_expires_after_seconds)
     key = None
     if idempotency is not None:
