@@ -35,11 +35,20 @@ from conveyor.worker.metrics.exposition import ApiMetrics
 log = logging.getLogger(__name__)
 
 
+EXPIRY_PAGE, EXPIRY_PAGES = 100, 20  # at most 2,000 files and 2,000 batches a pass
+
+
 def _expire(services: ApiServices, metrics: ApiMetrics) -> None:
-    """Delete the files past their ``expires_at`` and the Message Batch results past theirs."""
-    metrics.files_expired(delete_expired_files(services.db, services.store))
+    """Delete the files past their ``expires_at`` and the Message Batch results past theirs,
+    a page at a time while full pages come back."""
     keep = services.settings.message_batch_results_expire_after_seconds
-    metrics.message_batches_archived(archive_due(services.db, services.store, keep))
+    for _ in range(EXPIRY_PAGES):
+        files = delete_expired_files(services.db, services.store, limit=EXPIRY_PAGE)
+        metrics.files_expired(files)
+        batches = archive_due(services.db, services.store, keep, limit=EXPIRY_PAGE)
+        metrics.message_batches_archived(batches)
+        if files.files < EXPIRY_PAGE and batches.batches < EXPIRY_PAGE:
+            return
 
 
 def create_app(
