@@ -4,7 +4,8 @@ It serves OpenAI's Files and Batches APIs and the served models under ``/v1`` (e
 its own module), ``/healthz``, ``/readyz`` and ``/metrics``, over the same database, object store and
 broker as the workers (``conveyor.worker.api.services``). Errors are OpenAI's (``conveyor.worker.api.errors``),
 but on Anthropic's Message Batches (``conveyor.worker.api.routes_message_batches``), which are Anthropic's.
-While it runs, a background thread deletes uploaded files past their ``expires_at``, and another
+While it runs, a background thread deletes files (uploads, batch outputs) past their ``expires_at``, counted in
+``/metrics``, and another
 takes broker submissions (``conveyor.worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
 so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
 the job-end announcements still due (``conveyor.worker.broker.announce``), which workers do as well.
@@ -28,11 +29,26 @@ from conveyor.worker.broker.submission_consumer import SubmissionConsumer
 from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.files import delete_expired_files
+from conveyor.worker.jobs.message_batch_archive import archive_due
 from conveyor.worker.metrics.exposition import ApiMetrics
 
 log = logging.getLogger(__name__)
 
-EXPIRED_FILES_INTERVAL_SECONDS = 300.0
+
+EXPIRY_PAGE, EXPIRY_PAGES = 100, 20  # at most 2,000 files and 2,000 batches a pass
+
+
+def _expire(services: ApiServices, metrics: ApiMetrics) -> None:
+    """Delete the files past their ``expires_at`` and the Message Batch results past theirs,
+    a page at a time while full pages come back."""
+    keep = services.settings.message_batch_results_expire_after_seconds
+    for _ in range(EXPIRY_PAGES):
+        files = delete_expired_files(services.db, services.store, limit=EXPIRY_PAGE)
+        metrics.files_expired(files)
+        batches = archive_due(services.db, services.store, keep, limit=EXPIRY_PAGE)
+        metrics.message_batches_archived(batches)
+        if files.files < EXPIRY_PAGE and batches.batches < EXPIRY_PAGE:
+            return
 
 
 def create_app(
@@ -51,8 +67,8 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         janitor = Periodic(
             "conveyor-expired-files",
-            EXPIRED_FILES_INTERVAL_SECONDS,
-            lambda: delete_expired_files(services.db, services.store),
+            settings.expired_files_interval_seconds,
+            lambda: _expire(services, metrics),
         ).start()
         background = [janitor]
         submissions = None

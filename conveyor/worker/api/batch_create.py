@@ -6,9 +6,14 @@ decides at once whether the batch can run, each refusal a 400 naming its paramet
 - ``endpoint`` is ``/v1/chat/completions`` or ``/v1/completions``;
 - ``completion_window`` is one Conveyor takes (``24h`` as OpenAI; any whole hours or days
   from ``1h`` to ``30d`` too);
+- ``output_expires_after`` is OpenAI's: ``{"anchor": "created_at", "seconds": 3600 to
+  2592000}``; the batch's output and error files expire that long after each is written
+  (``CONVEYOR_BATCH_OUTPUT_EXPIRES_AFTER_SECONDS`` when it is absent);
 - the file (``input_file_id``: 404 if the caller has none of that id) has purpose ``batch``,
-  holds at least one request and no more than ``CONVEYOR_MAX_LINES_PER_JOB``, and is no
-  larger than ``CONVEYOR_MAX_INPUT_BYTES``;
+  holds at least one request, no more than OpenAI's 50,000 (``CONVEYOR_BATCH_MAX_REQUESTS``)
+  and ``CONVEYOR_MAX_LINES_PER_JOB``, is no larger than OpenAI's 200 MB
+  (``CONVEYOR_BATCH_MAX_FILE_BYTES``) and ``CONVEYOR_MAX_INPUT_BYTES``, and an embeddings
+  batch's lines hold no more than 50,000 inputs in all (``CONVEYOR_BATCH_MAX_EMBEDDING_INPUTS``);
 - its lines name one model in ``body.model`` (as OpenAI requires) and every ``url`` is the
   batch's ``endpoint``;
 - the model is one this deployment runs (``GET /v1/models``, ``conveyor.worker.jobs.catalog``): declared
@@ -31,12 +36,14 @@ import asyncio
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.engine import Engine
 from starlette.requests import ClientDisconnect, Request
 
 from conveyor.worker.api.errors import ApiError, bad_request, not_found, validation_error
 from conveyor.worker.api.quota_checks import create_within_quota
 from conveyor.worker.api.services import ApiServices
 from conveyor.worker.batchio.batch_scan import BatchScan
+from conveyor.worker.batchio.embeddings_body import EMBEDDINGS
 from conveyor.worker.batchio.request_body import ENDPOINTS
 from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.broker.queues import enqueue_intake
@@ -47,10 +54,12 @@ from conveyor.worker.jobs.files import BATCH, FileNotFound, get_file_info
 from conveyor.worker.jobs.owned_jobs import fail_unqueued
 from conveyor.worker.jobs.quotas import Charge
 from conveyor.worker.jobs.submission import (
+    MetadataError,
     SubmitOptions,
     check_metadata,
     create_job,
     http_idempotency_key,
+    job_request_options,
     job_with_key,
 )
 
@@ -67,6 +76,55 @@ class BatchCreate(BaseModel):
     endpoint: str = Field(min_length=1, max_length=128)
     completion_window: str = Field(min_length=1, max_length=16)
     metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None
+
+
+# OpenAI's bounds on ``output_expires_after.seconds``: an hour to 30 days.
+MIN_OUTPUT_EXPIRY_SECONDS, MAX_OUTPUT_EXPIRY_SECONDS = 3600, 30 * 86_400
+
+
+def output_expiry_seconds(value: dict[str, Any] | None, default: int) -> int | None:
+    """The lifetime of a batch's output files from ``output_expires_after`` (``default`` when
+    absent; None: kept until deleted), or OpenAI's 400 naming the field at fault."""
+    if value is None:
+        return default or None
+    unknown = sorted(set(value) - {"anchor", "seconds"})
+    if unknown:
+        param = f"output_expires_after.{unknown[0][:64]}"
+        raise bad_request(f"Unrecognized request argument supplied: {param}", param=param)
+    for name in ("anchor", "seconds"):
+        if name not in value:
+            param = f"output_expires_after.{name}"
+            raise bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    anchor, seconds = value["anchor"], value["seconds"]
+    if anchor != "created_at":
+        raise bad_request(
+            f"Invalid value: {str(anchor)[:64]!r}. Supported values are: 'created_at'.",
+            param="output_expires_after.anchor",
+            code="invalid_value",
+        )
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise bad_request(
+            f"Invalid type for 'output_expires_after.seconds': expected an integer, but got "
+            f"{type(seconds).__name__} instead.",
+            param="output_expires_after.seconds",
+            code="invalid_type",
+        )
+    if seconds < MIN_OUTPUT_EXPIRY_SECONDS:
+        raise bad_request(
+            f"Invalid 'output_expires_after.seconds': integer below minimum value. Expected a value >= "
+            f"{MIN_OUTPUT_EXPIRY_SECONDS}, but got {seconds} instead.",
+            param="output_expires_after.seconds",
+            code="integer_below_min_value",
+        )
+    if seconds > MAX_OUTPUT_EXPIRY_SECONDS:
+        raise bad_request(
+            f"Invalid 'output_expires_after.seconds': integer above maximum value. Expected a value <= "
+            f"{MAX_OUTPUT_EXPIRY_SECONDS}, but got {seconds} instead.",
+            param="output_expires_after.seconds",
+            code="integer_above_max_value",
+        )
+    return seconds
 
 
 async def read_json_body(request: Request, limit: int = MAX_JSON_BODY_BYTES, seconds: float = 30.0) -> bytes:
@@ -106,6 +164,28 @@ def batch_model(scan: BatchScan | None, endpoint: str, file_id: str, nbytes: int
     param = "input_file_id"
     if scan is None or not scan.lines:
         raise bad_request(f"The input file {file_id} holds no requests.", param=param, code="empty_file")
+    if scan.lines > settings.batch_max_requests:
+        raise bad_request(
+            f"The input file {file_id} holds {scan.lines} requests; a batch's input file holds at most "
+            f"{settings.batch_max_requests} requests (CONVEYOR_BATCH_MAX_REQUESTS).",
+            param=param,
+            code="too_many_requests",
+        )
+    if nbytes > settings.batch_max_file_bytes:
+        raise bad_request(
+            f"The input file {file_id} is {nbytes} bytes; a batch's input file is at most "
+            f"{settings.batch_max_file_bytes} bytes (CONVEYOR_BATCH_MAX_FILE_BYTES).",
+            param=param,
+            code="file_too_large",
+        )
+    if endpoint == EMBEDDINGS and scan.embedding_inputs > settings.batch_max_embedding_inputs:
+        raise bad_request(
+            f"The input file {file_id} holds {scan.embedding_inputs} embedding inputs across its requests; an "
+            f"embeddings batch holds at most {settings.batch_max_embedding_inputs} "
+            "(CONVEYOR_BATCH_MAX_EMBEDDING_INPUTS).",
+            param=param,
+            code="too_many_embedding_inputs",
+        )
     if scan.lines > settings.max_lines_per_job:
         raise bad_request(
             f"The input file {file_id} holds {scan.lines} requests; a batch takes at most "
@@ -160,8 +240,11 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         raise bad_request(f"Invalid value for 'completion_window': {exc}", param="completion_window") from None
     try:
         metadata = check_metadata(req.metadata)
-    except ValueError as exc:
+    except MetadataError as exc:
+        raise bad_request(str(exc), param="metadata", code=exc.code) from None
+    except ValueError as exc:  # text PostgreSQL cannot store
         raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
+    keep_outputs = output_expiry_seconds(req.output_expires_after, settings.batch_output_expires_after_seconds)
     key = None
     if idempotency is not None:
         if not 1 <= len(idempotency) <= MAX_IDEMPOTENCY_KEY_CHARS:
@@ -169,11 +252,11 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         key = http_idempotency_key(owner, idempotency)
         existing = job_with_key(db, key)
         if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
-            return _same_request(existing, req, metadata)
+            return _same_request(db, existing, req, metadata, keep_outputs)
     try:
         info = get_file_info(db, req.input_file_id, owner)
-    except FileNotFound:
-        raise not_found(f"No such File object: {req.input_file_id}", param="input_file_id") from None
+    except FileNotFound as exc:  # (an expired one says so)
+        raise not_found(str(exc), param="input_file_id") from None
     if info.object["purpose"] != BATCH:
         raise bad_request(
             f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
@@ -192,7 +275,9 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         )
     # Intake takes only lines to the endpoint (a plain row or another url is that line's error).
     options = SubmitOptions(
-        model=model, completion_window=req.completion_window, request_options=RequestOptions(endpoint=req.endpoint)
+        model=model,
+        completion_window=req.completion_window,
+        request_options=RequestOptions(endpoint=req.endpoint, output_expires_after=keep_outputs),
     )
     scan = info.batch_scan
     assert scan is not None  # batch_model refused a file without one
@@ -208,7 +293,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     if not created:  # the same key, created at the same moment by another request
-        return _same_request(batch, req, metadata)
+        return _same_request(db, batch, req, metadata, keep_outputs)
     try:
         enqueue_intake(services.broker, batch["id"], settings.queue_prefix)
     except Exception as exc:
@@ -217,7 +302,9 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     return batch
 
 
-def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None) -> dict[str, Any]:
+def _same_request(
+    db: Engine, batch: dict[str, Any], req: BatchCreate, metadata: dict[str, str] | None, keep_outputs: int | None
+) -> dict[str, Any]:
     """``batch`` if it was created by this same request, else 409: a key names one request (as
     Stripe's and OpenAI's idempotency keys do), so a reused key with other fields is a mistake."""
     asked = {
@@ -225,6 +312,8 @@ def _same_request(batch: dict[str, Any], req: BatchCreate, metadata: dict[str, s
         "completion_window": req.completion_window, "metadata": metadata or None,
     }  # fmt: skip
     differs = [name for name, value in asked.items() if (batch.get(name) or None) != value]
+    if job_request_options(db, batch["id"]).output_expires_after != keep_outputs:
+        differs.append("output_expires_after")
     if differs:
         raise ApiError(
             409,

@@ -21,6 +21,7 @@ from conveyor.worker.api.message_batch_create import check_upload_slot, create_m
 from conveyor.worker.api.services import ApiServices, Services
 from conveyor.worker.api.uploads import drain
 from conveyor.worker.jobs.lifecycle import finish_cancel
+from conveyor.worker.jobs.message_batch_archive import archived_at
 from conveyor.worker.jobs.message_batches import (
     MAX_LIST_LIMIT,
     NotEnded,
@@ -31,6 +32,7 @@ from conveyor.worker.jobs.message_batches import (
     message_batch_id,
     message_batch_object,
     processing_status,
+    rfc3339,
 )
 from conveyor.worker.jobs.message_results import iter_results
 from conveyor.worker.store.models import JobStatus
@@ -69,7 +71,8 @@ def list_batches(
         raise ApiError(400, "before_id and after_id cannot both be given.")
     jobs, more = list_message_batches(services.db, owner.id, limit=limit, before_id=before_id, after_id=after_id)
     base = results_base(request)
-    data = [message_batch_object(services.db, job, base) for job in jobs]
+    keep = services.settings.message_batch_results_expire_after_seconds
+    data = [message_batch_object(services.db, job, base, keep_results=keep) for job in jobs]
     return {
         "data": data,
         "has_more": more,
@@ -93,7 +96,8 @@ def cancel(
     if JobStatus(job.status) is JobStatus.cancelling:
         hb = services.settings.heartbeat_seconds
         background.add_task(finish_cancel, services.db, services.store, job.id, heartbeat_seconds=hb)
-    return message_batch_object(services.db, job, results_base(request))
+    keep = services.settings.message_batch_results_expire_after_seconds
+    return message_batch_object(services.db, job, results_base(request), keep_results=keep)
 
 
 @router.delete("/{batch_id}")
@@ -111,9 +115,19 @@ def results(batch_id: str, owner: KeyHolder, services: Services) -> StreamingRes
         raise ApiError(
             400, f"Message batch {batch_id} is still {processing_status(job)}: results are available once it has ended."
         )
+    keep = services.settings.message_batch_results_expire_after_seconds
+    archived = archived_at(job.created_at, keep)
+    if archived is not None:
+        raise ApiError(
+            404,
+            f"The results of message batch {batch_id} were archived at {rfc3339(archived)}: they are kept "
+            f"{keep} s after the batch is created, then deleted.",
+        )
     return StreamingResponse(iterate_in_threadpool(iter_results(services.store, job)), media_type="application/x-jsonl")
 
 
 def _object(services: ApiServices, batch_id: str, owner: str | None, base: str) -> dict[str, Any]:
     job = current_job(services.db, services.store, batch_id, owner, services.settings.heartbeat_seconds)
-    return message_batch_object(services.db, job, base)
+    return message_batch_object(
+        services.db, job, base, keep_results=services.settings.message_batch_results_expire_after_seconds
+    )

@@ -46,6 +46,9 @@ class BatchScan:
     # and so is every line without a body (not JSON, too long, a plain row), once.
     requested_tokens: int = 0
     default_token_samples: int = 0
+    # The embedding inputs of the lines' ``body.input``: a string or a token array is one, a
+    # list of them is one per entry (what OpenAI's 50,000 per embeddings batch counts).
+    embedding_inputs: int = 0
 
     def as_meta(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class BatchScan:
             "too_long": self.too_long,
             "requested_tokens": self.requested_tokens,
             "default_token_samples": self.default_token_samples,
+            "embedding_inputs": self.embedding_inputs,
         }
 
     def output_tokens(self, default_max_tokens: int) -> int:
@@ -102,6 +106,7 @@ class BatchScanner:
         body = obj.get("body") if isinstance(obj, dict) else None
         if isinstance(body, dict):
             self._count_tokens(body)
+            scan.embedding_inputs += _embedding_inputs(body.get("input"))
         else:  # charged too, whatever intake makes of it: no line runs uncharged
             scan.default_token_samples += 1
         if raw is None:
@@ -147,6 +152,18 @@ def _parse(text: bytes) -> Any:
             return loads(decoded)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
+
+
+def _embedding_inputs(value: Any) -> int:
+    """How many embedding inputs a body's ``input`` holds (0 for none; a malformed one is
+    that line's error at intake)."""
+    if isinstance(value, str):
+        return 1
+    if not isinstance(value, list) or not value:
+        return 0
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return 1  # one input as token ids
+    return len(value)
 
 
 def _count(value: Any, ceiling: int) -> int:

@@ -14,6 +14,9 @@ otherwise.
 - ``endpoint``: set for a batch created through the HTTP API (``POST /v1/batches``): every
   line must be an OpenAI Batch request whose ``url`` is this endpoint; a plain row or another
   endpoint's line is that line's error, as OpenAI answers it. Not a submission field.
+- ``output_expires_after``: set for a batch of the HTTP API: how long, in seconds, each of its
+  output and error files is kept after it is written (``output_expires_after``, else the
+  deployment's default when the batch was created); None keeps them. Not a submission field.
 
 Stored with the job (``jobs.request_options``) and applied where its input is read, so the
 queued path and ``conveyor run`` read a line the same way.
@@ -45,6 +48,7 @@ class RequestOptions:
     system_prompt: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     endpoint: str | None = None  # an API batch's (or a Message Batch's): the one url its lines may ask for
+    output_expires_after: int | None = None  # an API batch's output files' lifetime, in seconds
 
     @property
     def chat_mode(self) -> str:
@@ -60,6 +64,9 @@ class RequestOptions:
             raise ValueError(f"system_prompt must be non-empty text of at most {MAX_SYSTEM_PROMPT_CHARS} characters")
         if self.endpoint is not None and self.endpoint not in LINE_ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(LINE_ENDPOINTS)}, got {self.endpoint!r:.80}")
+        keep = self.output_expires_after
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"output_expires_after must be a positive number of seconds, got {keep!r:.40}")
         if not isinstance(self.defaults, dict):
             raise ValueError("the sampling defaults must be an object")
         unknown = sorted(set(self.defaults) - set(DEFAULT_FIELDS))
@@ -103,6 +110,8 @@ class RequestOptions:
             data["defaults"] = dict(self.defaults)
         if self.endpoint is not None:
             data["endpoint"] = self.endpoint
+        if self.output_expires_after is not None:
+            data["output_expires_after"] = self.output_expires_after
         return data
 
     @classmethod
@@ -115,6 +124,7 @@ class RequestOptions:
             system_prompt=data.get("system_prompt"),
             defaults=dict(data.get("defaults") or {}),
             endpoint=data.get("endpoint"),
+            output_expires_after=data.get("output_expires_after"),
         )
 
     @classmethod

@@ -126,6 +126,23 @@ class Settings(BaseSettings):
     max_priority: int = Field(1000, ge=0)
     # The largest file ``POST /v1/files`` takes; a bigger one is answered 413 and nothing of it is kept.
     max_upload_bytes: int = Field(DEFAULT_MAX_UPLOAD_BYTES, ge=1)
+    # The most requests a ``POST /v1/batches`` input file may hold (OpenAI's 50,000); more is a 400
+    # ``too_many_requests``. An operator may raise it; ``CONVEYOR_MAX_LINES_PER_JOB`` still applies.
+    batch_max_requests: int = Field(50_000, ge=1)
+    # The largest ``POST /v1/batches`` input file, in bytes (OpenAI's 200 MB); larger is a 400
+    # ``file_too_large``. An operator may raise it; ``CONVEYOR_MAX_INPUT_BYTES`` still applies.
+    batch_max_file_bytes: int = Field(200 << 20, ge=1)
+    # The most embedding inputs (each string or token array of a line's ``input``) a
+    # ``/v1/embeddings`` batch holds across all its lines (OpenAI's 50,000); more is a 400.
+    batch_max_embedding_inputs: int = Field(50_000, ge=1)
+    # How long a batch's output and error files are kept after each is written when
+    # ``POST /v1/batches`` names no ``output_expires_after`` (OpenAI's 30 days); 0 keeps them until deleted.
+    batch_output_expires_after_seconds: int = Field(30 * 86_400, ge=0, le=10 * 365 * 86_400)
+    # How often the API server deletes the files past their ``expires_at`` (bytes and row).
+    expired_files_interval_seconds: float = Field(300.0, gt=0, le=86_400)
+    # How long a Message Batch's results are kept after it is created (Anthropic's 29 days): then
+    # the batch shows ``archived_at`` and the API server deletes its results; 0 keeps them until deleted.
+    message_batch_results_expire_after_seconds: int = Field(29 * 86_400, ge=0, le=10 * 365 * 86_400)
     # The most requests one Message Batch (``POST /v1/messages/batches``) holds (Anthropic's
     # limit); more is a 400.
     message_batch_max_requests: int = Field(100_000, ge=1)

@@ -30,6 +30,7 @@ from conveyor.worker.broker.queues import DEFAULT_QUEUE, check_broker, enqueue_s
 from conveyor.worker.core.settings import Settings, get_settings
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.expiry import expire_if_due
+from conveyor.worker.jobs.files import expiry_time, outputs_expired_at
 from conveyor.worker.jobs.finalize import job_shards
 from conveyor.worker.jobs.lifecycle import (
     NotRetryable,
@@ -300,7 +301,11 @@ class Client:
             try:
                 return iter_lines(job_store.open_read(object_keys.ERRORS if errors else object_keys.RESULTS))
             except ObjectNotFound:
-                pass
+                expired = outputs_expired_at(job.get("metrics"))
+                if expired is not None:  # its items went with its files
+                    raise ObjectNotFound(
+                        f"the output files of job {job_id} expired at {expiry_time(expired)} and were deleted"
+                    ) from None
         source = ShardSource.of_job(self.db, job_store, job_id)
         return iter_job_output(source, job_shards(self.db, job_id), errors=errors)
 

@@ -23,6 +23,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, BinaryIO
 
 from sqlalchemy import and_, delete, insert, or_, select, update
@@ -31,7 +32,8 @@ from sqlalchemy.engine import Connection, Engine
 from conveyor.worker.batchio.batch_scan import BatchScan, BatchScanner
 from conveyor.worker.core.limits import MAX_FILENAME_CHARS
 from conveyor.worker.core.storable_text import check_storable
-from conveyor.worker.store.models import Job, JobStatus, StoredFile, now
+from conveyor.worker.jobs.object_keys import is_job_id
+from conveyor.worker.store.models import Item, Job, JobStatus, StoredFile, now
 from conveyor.worker.store.objects.base import InvalidKey, ObjectNotFound, ObjectStore, ObjectWriter
 
 _FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
@@ -43,11 +45,17 @@ MAX_LIST_LIMIT = 10_000  # OpenAI's, for files (batches: 100)
 DEFAULT_LIST_LIMIT = 10_000
 # An upload's lifetime when the uploader asks for one (OpenAI's bounds: 1 hour to 30 days).
 MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * 24 * 3600
+# The key of a job's metrics under which its output files that expired are kept: {file id: expires_at}.
+EXPIRED_FILES = "expired_files"
 
 
 class FileNotFound(LookupError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "file not found"
+
+
+class FileExpired(FileNotFound):
+    """A file past its ``expires_at``: deleted, or about to be (a 404 that says so)."""
 
 
 class FileTooLarge(ValueError):
@@ -223,13 +231,35 @@ class StoredFileInfo:
 
 
 def get_file_info(db: Engine, file_id: str, owner: str | None) -> StoredFileInfo:
-    """The file ``file_id`` of ``owner``; ``FileNotFound`` if there is none (or another owns it,
-    or it expired)."""
+    """The file ``file_id`` of ``owner``; ``FileNotFound`` if there is none (or another owns it),
+    ``FileExpired`` if it passed its ``expires_at``."""
     with db.connect() as conn:
         row = _row(conn, file_id, owner)
+        expired_at = None if row is not None else _expired_at(conn, file_id, owner)
+    if expired_at is not None:
+        raise FileExpired(f"File {file_id} expired at {expiry_time(expired_at)} (its expires_at) and was deleted.")
     if row is None:
         raise FileNotFound(f"No such File object: {file_id!s:.80}")
     return StoredFileInfo(file_object(row), row.uri, row.metadata, row.job_id)
+
+
+def _expired_at(conn: Connection, file_id: str, owner: str | None) -> float | None:
+    """When ``owner``'s file ``file_id`` expired: its row, if not deleted yet, or what its batch
+    recorded when the expired file was deleted (``EXPIRED_FILES`` in the job's metrics)."""
+    if not is_file_id(file_id):
+        return None
+    expires_at = conn.execute(
+        select(StoredFile.expires_at).where(StoredFile.id == file_id, _owned_by(owner))
+    ).scalar_one_or_none()
+    if expires_at is not None:
+        return float(expires_at)
+    owned = Job.owner == owner if owner is not None else Job.owner.is_(None)
+    metrics = conn.execute(
+        select(Job.metrics).where(or_(Job.output_file_id == file_id, Job.error_file_id == file_id), owned).limit(1)
+    ).scalar_one_or_none()
+    gone = (metrics or {}).get(EXPIRED_FILES) or {}
+    stamp = gone.get(file_id) if isinstance(gone, dict) else None
+    return float(stamp) if isinstance(stamp, (int, float)) else None
 
 
 def get_file(db: Engine, file_id: str, owner: str | None) -> dict[str, Any]:
@@ -323,8 +353,20 @@ def delete_file(db: Engine, store: ObjectStore, file_id: str, owner: str | None)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
-def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) -> int:
-    """Delete up to ``limit`` files past their ``expires_at`` (bytes too); how many went."""
+@dataclass(frozen=True)
+class ExpiredFiles:
+    """What one pass of ``delete_expired_files`` deleted."""
+
+    files: int = 0
+    bytes: int = 0
+
+
+def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) -> ExpiredFiles:
+    """Delete up to ``limit`` files past their ``expires_at``: the row, then the bytes, but only
+    under the file's own key (an upload's ``files/<id>/``, a batch output's ``jobs/<job id>/``).
+    A batch's output file leaves its expiry in the job's metrics, so a later read says it expired;
+    with its last output file go the job's items (the answers the files were made of).
+    A batch that has not read its input yet keeps it."""
     with db.connect() as conn:
         ids = list(
             conn.execute(
@@ -333,20 +375,55 @@ def delete_expired_files(db: Engine, store: ObjectStore, *, limit: int = 100) ->
                 .limit(limit)
             ).scalars()
         )
-    gone = 0
+    files = nbytes = 0
     for file_id in ids:
         with db.begin() as conn:
-            row = conn.execute(select(StoredFile.uri).where(StoredFile.id == file_id)).one_or_none()
+            row = conn.execute(
+                select(StoredFile.uri, StoredFile.bytes, StoredFile.job_id, StoredFile.expires_at).where(
+                    StoredFile.id == file_id
+                )
+            ).one_or_none()
             pending = conn.execute(
                 select(Job.id).where(Job.input_file_id == file_id, Job.status == JobStatus.validating).limit(1)
             ).scalar_one_or_none()
             if row is None or pending is not None:
                 continue
             conn.execute(delete(StoredFile).where(StoredFile.id == file_id))
-        with contextlib.suppress(InvalidKey):
-            store.delete(store.key_of(row.uri))
-        gone += 1
-    return gone
+            if row.job_id is not None:
+                _record_expiry(conn, row.job_id, file_id, float(row.expires_at))
+                if not conn.execute(select(StoredFile.id).where(StoredFile.job_id == row.job_id).limit(1)).first():
+                    # Its last output file: the answers its items hold expire with it.
+                    conn.execute(delete(Item).where(Item.job_id == row.job_id))
+        with contextlib.suppress(InvalidKey):  # (an object outside the store is not ours to delete)
+            key = store.key_of(row.uri)
+            if key.startswith(_own_prefix(file_id, row.job_id)):
+                store.delete(key)
+        files += 1
+        nbytes += int(row.bytes)
+    return ExpiredFiles(files, nbytes)
+
+
+def _own_prefix(file_id: str, job_id: str | None) -> str:
+    return f"jobs/{job_id}/" if job_id is not None and is_job_id(job_id) else f"files/{file_id}/"
+
+
+def outputs_expired_at(job_metrics: dict[str, Any] | None) -> float | None:
+    """When a job's output files expired and were deleted (the first of them), from its
+    metrics; None if none has."""
+    gone = (job_metrics or {}).get(EXPIRED_FILES)
+    stamps = [float(t) for t in gone.values() if isinstance(t, (int, float))] if isinstance(gone, dict) else []
+    return min(stamps, default=None)
+
+
+def expiry_time(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _record_expiry(conn: Connection, job_id: str, file_id: str, expires_at: float) -> None:
+    metrics = conn.execute(select(Job.metrics).where(Job.id == job_id).with_for_update()).scalar_one_or_none()
+    metrics = dict(metrics or {})
+    metrics[EXPIRED_FILES] = {**(metrics.get(EXPIRED_FILES) or {}), file_id: expires_at}
+    conn.execute(update(Job).where(Job.id == job_id).values(metrics=metrics))
 
 
 # ---- a batch's output files ---------------------------------------------------------------
@@ -360,12 +437,20 @@ class OutputFile:
 
 
 def record_output_files(
-    conn: Connection, job_id: str, owner: str | None, results: OutputFile, errors: OutputFile
+    conn: Connection,
+    job_id: str,
+    owner: str | None,
+    results: OutputFile,
+    errors: OutputFile,
+    *,
+    expires_after: int | None = None,
 ) -> dict[str, str | None]:
     """Within the transaction that ends job ``job_id``: a ``batch_output`` file for its results
     and one for its errors, each only if it holds lines, and the job's ``output_file_id`` and
-    ``error_file_id`` set to them."""
+    ``error_file_id`` set to them. ``expires_after``: each file's ``expires_at`` is its
+    ``created_at`` plus that many seconds (OpenAI's anchor is the file's creation)."""
     t = now()
+    expires_at = None if expires_after is None else t + expires_after
     ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
     for column, out, name in (("output_file_id", results, "output"), ("error_file_id", errors, "error")):
         if not out.lines:
@@ -375,6 +460,7 @@ def record_output_files(
             insert(StoredFile).values(
                 id=file_id, owner=owner, purpose=BATCH_OUTPUT, filename=f"{job_id}_{name}.jsonl",
                 bytes=out.bytes, uri=out.uri, status="processed", job_id=job_id, created_at=t,
+                expires_at=expires_at,
             )
         )  # fmt: skip
         ids[column] = file_id

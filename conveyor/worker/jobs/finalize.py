@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from sqlalchemy import exists, select, update
 from sqlalchemy.engine import Engine
 
+from conveyor.worker.batchio.request_options import RequestOptions
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.files import OutputFile, record_output_files
 from conveyor.worker.jobs.output_files import ShardSource, copy_lines, iter_job_output
@@ -100,7 +101,9 @@ def finalize_job(
     being finalised."""
     with db.connect() as conn:
         job = conn.execute(
-            select(Job.status, Job.finalizing_at, Job.expired_at, Job.owner, Job.input_file_id).where(Job.id == job_id)
+            select(
+                Job.status, Job.finalizing_at, Job.expired_at, Job.owner, Job.input_file_id, Job.request_options
+            ).where(Job.id == job_id)
         ).one_or_none()
     if (
         job is None
@@ -146,7 +149,8 @@ def finalize_job(
             .execution_options(synchronize_session=False)
         ).rowcount
         if done and job.input_file_id is not None:  # a batch of the HTTP API: its files are Files objects
-            record_output_files(conn, job_id, job.owner, results, errors)
+            keep = RequestOptions.from_json(job.request_options).output_expires_after
+            record_output_files(conn, job_id, job.owner, results, errors, expires_after=keep)
     if done:
         log.info("job %s %s: %d results, %d errors", job_id, final.value, n_results, n_errors)
     # Ended now (by this call or another): what the files were built from can go.

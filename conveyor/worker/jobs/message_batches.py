@@ -25,6 +25,7 @@ from conveyor.worker.batchio.output_lines import BATCH_CANCELLED, BATCH_EXPIRED
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.expiry import expire_if_due
 from conveyor.worker.jobs.lifecycle import JobNotFound, request_cancel
+from conveyor.worker.jobs.message_batch_archive import archived_at
 from conveyor.worker.jobs.progress import live_batch_object
 from conveyor.worker.store.database import make_sessionmaker
 from conveyor.worker.store.models import Item, ItemStatus, Job, JobStatus, now
@@ -96,11 +97,13 @@ def ended_at(job: Job) -> float | None:
     return job.completed_at or job.cancelled_at or job.failed_at or job.updated_at
 
 
-def message_batch_object(db: Engine, job: Job, results_base: str) -> dict[str, Any]:
+def message_batch_object(db: Engine, job: Job, results_base: str, *, keep_results: int = 0) -> dict[str, Any]:
     """The ``message_batch`` object of ``job``; ``results_base`` is the URL that the batch's
-    id and ``/results`` follow (``https://host/v1/messages/batches``)."""
+    id and ``/results`` follow (``https://host/v1/messages/batches``). ``keep_results``: the
+    seconds after its creation its results are kept (``message_batch_archive``; 0: always)."""
     batch_id = message_batch_id(job.id)
     ended = processing_status(job) == "ended"
+    archived = archived_at(job.created_at, keep_results) if ended else None
     return {
         "id": batch_id,
         "type": "message_batch",
@@ -110,7 +113,7 @@ def message_batch_object(db: Engine, job: Job, results_base: str) -> dict[str, A
         "ended_at": rfc3339(ended_at(job)),
         "expires_at": rfc3339(job.expires_at),
         "cancel_initiated_at": rfc3339(job.cancelling_at),
-        "archived_at": None,
+        "archived_at": rfc3339(archived),
         "results_url": f"{results_base}/{batch_id}/results" if ended else None,
     }
 

@@ -78,20 +78,48 @@ SHARD_ORDERS = ("prefix", "input")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
+class MetadataError(ValueError):
+    """``metadata`` OpenAI would refuse: the message and ``code`` are OpenAI's."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
     """``metadata`` if OpenAI would take it (at most 16 string pairs, keys of at most 64
-    characters, values of at most 512), else ``ValueError`` saying what is wrong."""
+    characters, values of at most 512), else ``MetadataError`` saying what is wrong as OpenAI does."""
     if metadata is None:
         return None
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise ValueError(f"metadata must be a dict of at most {MAX_METADATA_PAIRS} key-value pairs")
+    if not isinstance(metadata, dict):
+        raise MetadataError(
+            f"Invalid type for 'metadata': expected an object, but got {type(metadata).__name__} instead.",
+            "invalid_type",
+        )
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise MetadataError(
+            f"Invalid 'metadata': too many properties. Expected an object with at most {MAX_METADATA_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            "object_above_max_properties",
+        )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"metadata keys and values must be strings, got {key!r:.70}: {value!r:.70}")
+            raise MetadataError(
+                f"Invalid type for 'metadata.{key!s:.64}': expected a string, but got {type(value).__name__} instead.",
+                "invalid_type",
+            )
         if len(key) > MAX_METADATA_KEY_CHARS:
-            raise ValueError(f"metadata keys must be at most {MAX_METADATA_KEY_CHARS} characters, got {key!r:.70}")
+            raise MetadataError(
+                f"Invalid 'metadata': key too long. Expected a key with maximum length {MAX_METADATA_KEY_CHARS}, "
+                f"but got a key with length {len(key)} instead ({key[:40]!r}...).",
+                "string_above_max_length",
+            )
         if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE_CHARS} characters (key {key!r})")
+            raise MetadataError(
+                f"Invalid 'metadata.{key}': string too long. Expected a string with maximum length "
+                f"{MAX_METADATA_VALUE_CHARS}, but got a string with length {len(value)} instead.",
+                "string_above_max_length",
+            )
         check_storable(key, "metadata key")
         check_storable(value, f"metadata.{key}")
     return dict(metadata)
@@ -277,6 +305,13 @@ def create_job(
             raise
         return existing, False  # a duplicate won the race
     return get_job(db, job_id), True
+
+
+def job_request_options(db: Engine, job_id: str) -> RequestOptions:
+    """The request options job ``job_id`` was created with (the defaults if there is none)."""
+    with db.connect() as conn:
+        stored = conn.execute(select(Job.request_options).where(Job.id == job_id)).scalar_one_or_none()
+    return RequestOptions.from_json(stored)
 
 
 def job_with_key(db: Engine, idempotency_key: str) -> dict[str, Any] | None:

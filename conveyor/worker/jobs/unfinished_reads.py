@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 from conveyor.worker.batchio.input_subset import write_subset
 from conveyor.worker.batchio.records import InputFormat
 from conveyor.worker.jobs import object_keys
+from conveyor.worker.jobs.files import expiry_time, outputs_expired_at
 from conveyor.worker.jobs.lifecycle import JobNotFound
 from conveyor.worker.jobs.unfinished import unrun_lines
 from conveyor.worker.store.models import Job, JobStatus
@@ -39,7 +40,9 @@ def open_unfinished(db: Engine, root_store: ObjectStore, job_id: str) -> BinaryI
     object_keys.check_job_id(job_id)
     with db.connect() as conn:
         job = conn.execute(
-            select(Job.status, Job.input_format, Job.owner, Job.input_uri, Job.input_file_id).where(Job.id == job_id)
+            select(Job.status, Job.input_format, Job.owner, Job.input_uri, Job.input_file_id, Job.metrics).where(
+                Job.id == job_id
+            )
         ).one_or_none()
     if job is None:
         raise JobNotFound(f"no job {job_id}")
@@ -52,6 +55,9 @@ def open_unfinished(db: Engine, root_store: ObjectStore, job_id: str) -> BinaryI
         return io.BytesIO(b"")
     if status is JobStatus.failed:
         raise NoUnfinished(f"job {job_id} failed as a whole before running: submit its input again")
+    expired = outputs_expired_at(job.metrics)
+    if expired is not None:  # which lines never ran went with its items
+        raise NoUnfinished(f"job {job_id}'s output files expired at {expiry_time(expired)} and were deleted")
     fmt = InputFormat(job.input_format or InputFormat.jsonl.value)
     if job.owner is not None:
         return _from_input_file(db, root_store, job_id, fmt, job.input_uri, job.input_file_id)

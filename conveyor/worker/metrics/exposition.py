@@ -16,18 +16,23 @@ the thread pool, not on the event loop)::
         body, content_type = metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-``metrics.registry`` takes the API's own metrics too (e.g. requests by route).
+``metrics.registry`` takes the API's own metrics too: the files its expiry sweep deleted
+(``conveyor_files_expired_total``, ``conveyor_files_expired_bytes_total``) and the Message
+Batches whose results it archived (``conveyor_message_batches_archived_total``, ``..._bytes_total``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from prometheus_client import Counter
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.catalog import declared_models
+from conveyor.worker.jobs.files import ExpiredFiles
+from conveyor.worker.jobs.message_batch_archive import ArchivedBatches
 from conveyor.worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from conveyor.worker.metrics.registry import new_registry
 
@@ -59,6 +64,38 @@ class ApiMetrics:
                 models=declared_models(settings),
             )
         )
+
+        self._expired_files = Counter(
+            "conveyor_files_expired",
+            "Files (uploads, batch outputs) deleted by this API process because they passed their expires_at.",
+            registry=self.registry,
+        )
+        self._expired_bytes = Counter(
+            "conveyor_files_expired_bytes",
+            "Bytes of the files this API process deleted because they passed their expires_at.",
+            registry=self.registry,
+        )
+
+        self._archived_batches = Counter(
+            "conveyor_message_batches_archived",
+            "Message Batches whose results this API process deleted because they passed their retention.",
+            registry=self.registry,
+        )
+        self._archived_bytes = Counter(
+            "conveyor_message_batches_archived_bytes",
+            "Bytes of the Message Batch results this API process deleted because they passed their retention.",
+            registry=self.registry,
+        )
+
+    def message_batches_archived(self, gone: ArchivedBatches) -> None:
+        """Count what one pass of the Message Batch archive deleted."""
+        self._archived_batches.inc(gone.batches)
+        self._archived_bytes.inc(gone.bytes)
+
+    def files_expired(self, gone: ExpiredFiles) -> None:
+        """Count what one pass of the expiry sweep deleted."""
+        self._expired_files.inc(gone.files)
+        self._expired_bytes.inc(gone.bytes)
 
     def render(self, accept: str | None = None) -> MetricsPayload:
         return render(self.registry, accept)

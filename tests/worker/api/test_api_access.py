@@ -114,7 +114,7 @@ def test_batch_creation_is_refused_with_400_naming_the_parameter(server) -> None
     refused("metadata", metadata={f"k{i}": "v" for i in range(17)})
     refused("metadata", metadata={"k": "v" * 513})
     refused("input_file_id", extra_body={"input_file_id": None})
-    refused("output_expires_after", extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 3600}})
+    refused("output_expires_after.seconds", output_expires_after={"anchor": "created_at", "seconds": 60})
     mixed = upload(client, [*batch_lines(2), *batch_lines(1, model="other-model", prefix="o")])
     message = refused("input_file_id", "mixed_models", input_file_id=mixed)["message"]
     assert "'tiny-chat'" in message and "'other-model'" in message

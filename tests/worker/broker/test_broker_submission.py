@@ -143,7 +143,7 @@ def test_bad_messages_are_refused_with_a_reason_and_the_worker_keeps_serving(pg_
         "no-model": ({"input_uri": uri}, "model", "model is required"),
         "bad-priority": ({**good, "priority": "high"}, "priority", "priority must be an integer"),
         "typo": ({**good, "modle": "x"}, "modle", "unknown field(s) modle"),
-        "bad-metadata": ({**good, "metadata": {"k": 1}}, "metadata", "metadata keys and values must be strings"),
+        "bad-metadata": ({**good, "metadata": {"k": 1}}, "metadata", "'metadata.k': expected a string"),
         "bad-window": ({**good, "completion_window": "2w"}, "completion_window", "completion window must be"),
     }
     with producer(stack) as conn, reply_queue(conn) as replies:

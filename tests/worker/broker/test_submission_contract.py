@@ -67,9 +67,9 @@ def test_a_full_submission_parses(settings) -> None:
         (fields(shard_size="4"), "shard_size", "shard_size must be an integer"),
         (fields(input_format="xml"), "input_format", "jsonl, csv, parquet"),
         (fields(completion_window="48"), "completion_window", "completion window must be"),
-        (fields(metadata=["a"]), "metadata", "metadata must be a dict"),
+        (fields(metadata=["a"]), "metadata", "'metadata': expected an object, but got list"),
         (fields(metadata={f"k{i}": "v" for i in range(17)}), "metadata", "at most 16"),
-        (fields(metadata={"k": "v" * 513}), "metadata", "at most 512"),
+        (fields(metadata={"k": "v" * 513}), "metadata", "maximum length 512, but got a string with length 513"),
         (fields(endpoint="/v1/chat/completions"), "endpoint", "unknown field(s) endpoint"),
     ],
 )

@@ -15,16 +15,21 @@ from sqlalchemy import insert, select, text, update
 
 from conveyor.worker.batchio.batch_scan import MAX_MODELS, BatchScanner
 from conveyor.worker.jobs.files import (
+    ExpiredFiles,
+    FileExpired,
     FileInUse,
     FileNotFound,
     FileTooLarge,
     FileUpload,
+    OutputFile,
     delete_expired_files,
     delete_file,
     get_file,
     list_files,
+    record_output_files,
 )
 from conveyor.worker.jobs.model_names import InvalidModel, check_served_name
+from conveyor.worker.jobs.unfinished_reads import NoUnfinished, open_unfinished
 from conveyor.worker.store.api_keys import (
     KEY_PREFIX,
     KeyNameError,
@@ -36,7 +41,8 @@ from conveyor.worker.store.api_keys import (
     list_keys,
     revoke_key,
 )
-from conveyor.worker.store.models import ApiKey, Job, JobStatus, StoredFile
+from conveyor.worker.store.items import ItemRecord, record_finished_items
+from conveyor.worker.store.models import ApiKey, Item, ItemStatus, Job, JobStatus, StoredFile
 from conveyor.worker.store.objects.local import LocalStore
 from tests.worker.api_server import ApiServer
 from tests.worker.helpers import jsonl, openai_lines
@@ -156,10 +162,10 @@ def test_file_pages_and_expiry(tmp_path, db_engine) -> None:
 
     with db_engine.begin() as conn:
         conn.execute(update(StoredFile).where(StoredFile.id == ids[0]).values(expires_at=time.time() - 1))
-    with pytest.raises(FileNotFound):
+    with pytest.raises(FileNotFound, match=f"File {ids[0]} expired at"):
         get_file(db_engine, ids[0], None)
     assert ids[0] not in [f["id"] for f in list_files(db_engine, None)["data"]]
-    assert delete_expired_files(db_engine, store) == 1
+    assert delete_expired_files(db_engine, store) == ExpiredFiles(files=1, bytes=len(b"data 0\n"))
     assert len(list(store.list())) == 4
 
 
@@ -260,3 +266,59 @@ def test_an_upload_streams_through_the_server_in_bounded_memory(embedded_stack) 
         assert peak < 8 * MiB, f"peak {peak / MiB:.1f} MiB"
     finally:
         server.stop()
+
+
+def test_a_batchs_expired_output_files_take_its_answers_with_them(tmp_path, db_engine) -> None:
+    store = LocalStore(tmp_path / "objects")
+    job_id, other_id = "batch_" + "b" * 32, "batch_" + "c" * 32
+    with db_engine.begin() as conn:
+        for jid in (job_id, other_id):
+            conn.execute(
+                insert(Job).values(
+                    id=jid, status=JobStatus.cancelled, model="m", shard_size=4, owner="key_a",
+                    input_file_id="file-" + "0" * 32, completion_window="24h", created_at=1.0, updated_at=1.0,
+                )
+            )  # fmt: skip
+    record_finished_items(
+        db_engine,
+        [
+            ItemRecord(jid, f"r{i}", 0, i, ItemStatus.succeeded, response={"i": i})
+            for jid in (job_id, other_id)
+            for i in (1, 2)
+        ],
+    )
+    outputs: dict[str, dict[str, str]] = {}
+    for jid in (job_id, other_id):
+        job_store = store.scoped(f"jobs/{jid}")
+        job_store.put_bytes("results.jsonl", b'{"i": 1}\n{"i": 2}\n')
+        job_store.put_bytes("errors.jsonl", b'{"e": 3}\n')
+        results = OutputFile(job_store.uri("results.jsonl"), 18, 2)
+        errors = OutputFile(job_store.uri("errors.jsonl"), 9, 1)
+        with db_engine.begin() as conn:
+            made = record_output_files(conn, jid, "key_a", results, errors, expires_after=3600)
+        outputs[jid] = {column: file_id for column, file_id in made.items() if file_id is not None}
+    # A row whose uri points outside its own folder loses its row, never that object.
+    stray = store.scoped(f"jobs/{other_id}")
+    with db_engine.begin() as conn:
+        conn.execute(
+            update(StoredFile)
+            .where(StoredFile.id == outputs[job_id]["error_file_id"])
+            .values(uri=stray.uri("results.jsonl"))
+        )
+        ids = list(outputs[job_id].values())
+        conn.execute(update(StoredFile).where(StoredFile.id.in_(ids)).values(expires_at=time.time() - 1))
+
+    assert delete_expired_files(db_engine, store) == ExpiredFiles(files=2, bytes=18 + 9)
+    # (the stray row's own object stays: only what a row names under its folder is deleted)
+    kept = [f"jobs/{job_id}/errors.jsonl", f"jobs/{other_id}/errors.jsonl", f"jobs/{other_id}/results.jsonl"]
+    assert sorted(store.list()) == kept
+    with db_engine.connect() as conn:
+        left = sorted(conn.execute(select(Item.job_id, Item.custom_id)).all())
+    assert left == [(other_id, "r1"), (other_id, "r2")]
+    for file_id in ids:
+        with pytest.raises(FileExpired, match=f"File {file_id} expired at .* and was deleted"):
+            get_file(db_engine, file_id, "key_a")
+        with pytest.raises(FileNotFound, match="No such File object"):  # another key is told nothing more
+            get_file(db_engine, file_id, "key_b")
+    with pytest.raises(NoUnfinished, match=f"job {job_id}'s output files expired at"):
+        open_unfinished(db_engine, store, job_id)

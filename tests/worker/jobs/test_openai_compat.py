@@ -226,10 +226,10 @@ def test_metadata_follows_openais_rules(embedded_stack) -> None:
         job = client.submit(jsonl(openai_lines(1)), embedded_stack.model, metadata={"team": "soup"}, enqueue=False)
         assert check_batch(job, "in_progress").metadata == {"team": "soup"}
         cases: list[tuple[dict[str, Any], str]] = [
-            ({"n": 1}, "values must be strings"),
-            ({"k" * 65: "v"}, "at most 64 characters"),
-            ({"k": "v" * 513}, "at most 512 characters"),
-            ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+            ({"n": 1}, "'metadata.n': expected a string, but got int"),
+            ({"k" * 65: "v"}, "maximum length 64, but got a key with length 65"),
+            ({"k": "v" * 513}, "'metadata.k': string too long. Expected a string with maximum length 512"),
+            ({f"k{i}": "v" for i in range(17)}, "at most 16 properties, but got an object with 17"),
         ]
         for bad, words in cases:
             with pytest.raises(ValueError, match=words):
