@@ -528,7 +528,9 @@ def _architecture(cfg: dict) -> str:
     if names:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ValueError(f"architecture {', '.join(map(str, names))} is not supported; supported: {supported}")
-    by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+    by_type: dict[str, str] = {}
+    for arch, model_type in SUPPORTED_ARCHITECTURES.items():  # the first listed: the base model, not a head
+        by_type.setdefault(model_type, arch)
     return by_type.get(str(cfg.get("model_type")), "")  # "" only for an unsupported model_type, refused next
 
 

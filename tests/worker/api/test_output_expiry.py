@@ -139,7 +139,13 @@ def test_message_batch_results_are_archived_after_29_days(pg_redis_s3_stack, ser
                 return conn.execute(select(Job.output_uri).where(Job.id == job_id)).scalar_one() is None
 
         wait_for(archived, 30, "the API's sweep to archive the batch's results")
-        assert [key for key in ("results.jsonl", "errors.jsonl", "custom_ids.txt") if store.exists(key)] == []
+
+        def left() -> list[str]:
+            return [key for key in ("results.jsonl", "errors.jsonl", "custom_ids.txt") if store.exists(key)]
+
+        # The sweep forgets the row first, then deletes the objects: wait for both.
+        wait_for(lambda: not left(), 30, "the API's sweep to delete the batch's results")
+        assert left() == []
         with db.connect() as conn:
             items = dict(conn.execute(select(Item.job_id, func.count()).group_by(Item.job_id)).all())
         assert items == {job_id_of(young.id): 2}
