@@ -173,12 +173,23 @@ class Fp8Weight(KernelWeight):
     @classmethod
     def blocks(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Fp8Weight | None:
         """One scale a ``block``; ``None`` where the kernel's K tiles would straddle blocks."""
+        kept = cls.grid(weight, scale, block)
+        return kept if kept is not None and kept.kernel_tiles else None
+
+    @classmethod
+    def grid(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Fp8Weight | None:
+        """One scale a ``block`` of any width (``None`` where the scales do not tile the weight):
+        for a W8A8 layer, which emulates the product where the kernel's tiles would straddle."""
         rows, cols = weight.shape
-        if block[1] % 16 or (block[1] > 64 and block[1] % 64):
-            return None
         if tuple(scale.shape) != (-(-rows // block[0]), -(-cols // block[1])):
             return None
         return cls(weight, scale.to(torch.float32).contiguous(), block)
+
+    @property
+    def kernel_tiles(self) -> bool:
+        """Whether ``fp8_block_gemm``'s K tiles (16 to 64 inputs) each fall inside one block."""
+        width = self.block[1]
+        return not (width % 16 or (width > 64 and width % 64))
 
     @property
     def rows(self) -> int:  # type: ignore[override]

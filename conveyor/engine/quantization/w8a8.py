@@ -9,7 +9,8 @@ includes the activations' rounding.
   sm_90 with a bfloat16 output, per-row ones (per-token input, per-channel weight).
 - Elsewhere (sm_80, block-scaled weights, per-group input scales, the Triton interpreter):
   ``fp8_block_gemm`` on the quantized input (its per-tensor or per-row scale applied to the
-  output; per-group ones, dequantized into the input).
+  output; per-group ones, dequantized into the input), except for blocks whose width the
+  kernel's K tiles would straddle: those are emulated as on the CPU, slower and still exact.
 
 Pieces of a fused weight (q/k/v, gate/up) may each have their own static input scale: the
 input is quantized once per run of rows sharing one (``segments``), as each layer would."""
@@ -37,8 +38,14 @@ class W8A8Weight(KernelWeight):
 
     @classmethod
     def of(cls, weight: Fp8Weight | None, act: ActivationQuant, input_scale: torch.Tensor | None) -> W8A8Weight | None:
-        if weight is None or (act.group_size and weight.cols % act.group_size):
+        if weight is None:
             return None
+        if act.group_size and weight.cols % act.group_size:
+            # The format's own arithmetic (DeepSeek's and transformers' act_quant) requires it.
+            raise ValueError(
+                f"input groups of {act.group_size} (weight_block_size's width) do not tile a layer of "
+                f"{weight.cols} inputs: its activations cannot be quantized as the format says"
+            )
         static = None
         if act.strategy == "static":
             assert input_scale is not None and input_scale.numel() == 1, "one static input scale a tensor"
@@ -68,7 +75,7 @@ class W8A8Weight(KernelWeight):
         weight = self.weight if (start, end) == (0, self.rows) else _rows(self.weight, start, end)
         if x.device.type == "cuda" and _scaled_mm_serves(x, weight, scale, self.uniform):
             return _scaled_mm(q, weight, scale, x.dtype, self.uniform)
-        if x.device.type == "cuda" or _interpreting(x.device):
+        if (x.device.type == "cuda" or _interpreting(x.device)) and weight.kernel_tiles:
             return _triton_matmul(self.act, q, scale, weight, x.dtype)
         return (self.act.dequantize(q, scale) @ weight.dequantized().t()).to(x.dtype)
 
