@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from conveyor.worker.entrypoints import cli
+from conveyor.worker.entrypoints.cli.extra import missing_extra
+from conveyor.worker.entrypoints.cli.options import JOB_STATUSES
 from conveyor.worker.store.models import JobStatus
 from tests.worker.helpers import REPO
 
@@ -60,6 +62,6 @@ def test_a_command_that_needs_the_extra_says_which_in_one_line() -> None:
 
 def test_the_parsers_choices_are_the_models_with_the_extra() -> None:
     parser = cli.build_parser()
-    assert cli.MISSING_EXTRA is None
-    assert [s.value for s in JobStatus] == cli.JOB_STATUSES
+    assert missing_extra() is None
+    assert [s.value for s in JobStatus] == JOB_STATUSES
     assert parser.parse_args(["jobs", "--status", "expired"]).status == ["expired"]

@@ -13,7 +13,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from conveyor.worker.entrypoints.cli import is_loopback, main
+from conveyor.worker.entrypoints.cli import main
+from conveyor.worker.entrypoints.cli.serve import is_loopback
 from conveyor.worker.store.api_keys import KEY_PREFIX, find_key
 from conveyor.worker.store.database import create_db_engine
 from tests.worker.helpers import PYTHON, REPO, _die_with_parent

@@ -7,7 +7,8 @@ import pytest
 
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.worker.core.settings import ConfigError
-from conveyor.worker.entrypoints.cli import _engine_overrides, build_parser, load_settings
+from conveyor.worker.entrypoints.cli import build_parser
+from conveyor.worker.entrypoints.cli.common import engine_overrides, load_settings
 from conveyor.worker.execution.context import engine_config
 
 
@@ -18,7 +19,7 @@ def _worker_args(*argv: str):
 def test_the_flag_joins_the_engine_args(monkeypatch):
     monkeypatch.setenv("CONVEYOR_ENGINE_ARGS", '{"max_num_seqs": 8}')
     args = _worker_args("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
-    settings = load_settings(**_engine_overrides(args))
+    settings = load_settings(**engine_overrides(args))
     assert settings.engine_args == {
         "max_num_seqs": 8,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
@@ -26,7 +27,7 @@ def test_the_flag_joins_the_engine_args(monkeypatch):
     config = engine_config(settings, "m")
     assert config.max_num_seqs == 8
     assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    assert _engine_overrides(_worker_args()) == {}
+    assert engine_overrides(_worker_args()) == {}
 
 
 def test_bad_values_are_refused_with_the_reason(monkeypatch, capsys):
@@ -34,6 +35,6 @@ def test_bad_values_are_refused_with_the_reason(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _worker_args("--speculative-config", "[1, 2]")
     assert "expected a JSON object" in capsys.readouterr().err
-    settings = load_settings(**_engine_overrides(_worker_args("--speculative-config", '{"method": "medusa"}')))
+    settings = load_settings(**engine_overrides(_worker_args("--speculative-config", '{"method": "medusa"}')))
     with pytest.raises(ConfigError, match=r"speculative_config\.method must be one of"):
         engine_config(settings, "m")

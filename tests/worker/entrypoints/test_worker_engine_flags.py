@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.worker.entrypoints import cli
+from conveyor.worker.entrypoints.cli.errors import UserError
 from conveyor.worker.execution import context
 
 
@@ -15,7 +16,7 @@ def engine_config_seen(monkeypatch):
 
     def create(cls, settings, model):
         seen["config"] = context.engine_config(settings, model)
-        raise cli.UserError("stopped by the test")
+        raise UserError("stopped by the test")
 
     monkeypatch.setattr(context.WorkerContext, "create", classmethod(create))
     return seen
