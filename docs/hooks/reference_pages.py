@@ -2,9 +2,10 @@
 
 Nothing is written to ``docs/``: the pages exist only in the build. Each reference is read
 from its source of truth: the CLI from ``build_parser()``, every ``CONVEYOR_*`` setting from
-``conveyor.worker.core.settings.Settings`` (its meaning is the comment above the field: a field
-without one fails the build), ``EngineConfig`` and ``SamplingParams`` from their dataclasses
-(nested dataclass groups, if ``EngineConfig`` has them, get a section each).
+``conveyor.worker.core.settings.Settings``, a section per group it inherits (its meaning is the
+comment above the field: a field without one fails the build), ``EngineConfig`` and
+``SamplingParams`` from their dataclasses (nested dataclass groups, if ``EngineConfig`` has them,
+get a section each).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # the checkout being documented, not an installed copy
@@ -82,37 +86,63 @@ def _bounds(info: Any) -> str:
     return ", ".join(parts)
 
 
+def _settings_groups(settings_cls: type) -> list[type]:
+    """The groups ``Settings`` inherits its fields from (``conveyor.worker.core.setting_groups``), in
+    the order of its fields."""
+    return [
+        c for c in reversed(settings_cls.__mro__) if c.__module__.startswith("conveyor.worker.core.setting_groups.")
+    ]
+
+
+def _group_annotations(source_file: Path, class_name: str) -> dict[str, str]:
+    """``{field: its annotation as written}`` for the fields of ``class_name`` in ``source_file``."""
+    tree = ast.parse(source_file.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return {
+        n.target.id: ast.unparse(n.annotation)
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+
+
+def _setting_row(name: str, info: FieldInfo, annotation: str, comment: str) -> str:
+    if info.default_factory is not None:
+        default = _code(info.default_factory())  # type: ignore[call-arg]
+    elif info.default is None:
+        default = "unset"
+    else:
+        default = _code(info.default)
+    kind = annotation
+    if kind.startswith("Annotated["):
+        kind = kind[len("Annotated[") :].split(",")[0]
+    bounds = _bounds(info)
+    kind = f"`{kind}`" + (f" ({bounds})" if bounds else "")
+    return f"| `CONVEYOR_{name.upper()}` | {_cell(kind)} | {_cell(default)} | {_cell(comment)} |"
+
+
 def settings_page() -> str:
     from conveyor.worker.core import settings as module
 
     cls = module.Settings
-    comments = field_comments(Path(inspect.getfile(module)), "Settings")
+    groups = _settings_groups(cls)
+    comments: dict[str, str] = {}
+    annotations: dict[type, dict[str, str]] = {}
+    for group in groups:
+        source = Path(inspect.getfile(group))
+        comments.update(field_comments(source, group.__name__))
+        annotations[group] = _group_annotations(source, group.__name__)
     missing = [name for name in cls.model_fields if name not in comments]
     if missing:
         raise ReferenceError(
-            "conveyor/worker/core/settings.py: every setting needs a one-line comment directly above it (the settings "
-            f"reference is built from them); none for: {', '.join(missing)}"
+            "conveyor/worker/core/setting_groups/: every setting needs a one-line comment directly above it (the "
+            f"settings reference is built from them); none for: {', '.join(missing)}"
         )
-    source = Path(inspect.getfile(module)).read_text()
-    annotations = {
-        n.target.id: ast.unparse(n.annotation)
-        for n in ast.walk(ast.parse(source))
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    }
-    rows = []
-    for name, info in cls.model_fields.items():
-        if info.default_factory is not None:
-            default = _code(info.default_factory())  # type: ignore[call-arg]
-        elif info.default is None:
-            default = "unset"
-        else:
-            default = _code(info.default)
-        kind = annotations.get(name, "")
-        if kind.startswith("Annotated["):
-            kind = kind[len("Annotated[") :].split(",")[0]
-        bounds = _bounds(info)
-        kind = f"`{kind}`" + (f" ({bounds})" if bounds else "")
-        rows.append(f"| `CONVEYOR_{name.upper()}` | {_cell(kind)} | {_cell(default)} | {_cell(comments[name])} |")
+    sections = []
+    for group in groups:
+        title, _, about = (inspect.getdoc(group) or group.__name__).partition("\n\n")
+        rows = [_setting_row(n, cls.model_fields[n], kind, comments[n]) for n, kind in annotations[group].items()]
+        sections += [f"## {title.rstrip('.')}", "", " ".join(about.split()), ""]
+        sections += ["| variable | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
     return "\n".join(
         [
             "# Settings",
@@ -123,12 +153,10 @@ def settings_page() -> str:
             "line naming the variable. With nothing set, everything lives under `CONVEYOR_HOME`: a SQLite",
             "database, a local object store and a SQLite-backed broker.",
             "",
-            f"This page is generated from the settings class at build time ({len(rows)} settings).",
+            f"This page is generated from the settings class at build time ({len(cls.model_fields)} settings, in "
+            f"{len(groups)} groups).",
             "",
-            "| variable | type | default | meaning |",
-            "| --- | --- | --- | --- |",
-            *rows,
-            "",
+            *sections,
         ]
     )
 
