@@ -50,7 +50,7 @@ from conveyor.worker.broker.queues import enqueue_intake
 from conveyor.worker.core.limits import completion_window_seconds
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.catalog import catalog
-from conveyor.worker.jobs.files import BATCH, FileNotFound, get_file_info
+from conveyor.worker.jobs.files import BATCH, FileNotFound, StoredFileInfo, get_file_info
 from conveyor.worker.jobs.owned_jobs import fail_unqueued
 from conveyor.worker.jobs.quotas import Charge
 from conveyor.worker.jobs.submission import (
@@ -228,22 +228,7 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
     """Check the request and the file, record the job and have a worker ingest it; the batch
     object (with all of the job's fields: the route keeps OpenAI's)."""
     settings, db = services.settings, services.db
-    if req.endpoint not in ENDPOINTS:
-        raise bad_request(
-            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {', '.join(ENDPOINTS)}.",
-            param="endpoint",
-            code="invalid_value",
-        )
-    try:
-        completion_window_seconds(req.completion_window, settings.min_completion_window_seconds)
-    except ValueError as exc:
-        raise bad_request(f"Invalid value for 'completion_window': {exc}", param="completion_window") from None
-    try:
-        metadata = check_metadata(req.metadata)
-    except MetadataError as exc:
-        raise bad_request(str(exc), param="metadata", code=exc.code) from None
-    except ValueError as exc:  # text PostgreSQL cannot store
-        raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
+    metadata = _checked_fields(req, settings)
     keep_outputs = output_expiry_seconds(req.output_expires_after, settings.batch_output_expires_after_seconds)
     key = None
     if idempotency is not None:
@@ -253,26 +238,8 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         existing = job_with_key(db, key)
         if existing is not None:  # a retry: the batch it made, whatever happened since (not a new check)
             return _same_request(db, existing, req, metadata, keep_outputs)
-    try:
-        info = get_file_info(db, req.input_file_id, owner)
-    except FileNotFound as exc:  # (an expired one says so)
-        raise not_found(str(exc), param="input_file_id") from None
-    if info.object["purpose"] != BATCH:
-        raise bad_request(
-            f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
-            "'batch'.",
-            param="input_file_id",
-        )
-    model = batch_model(info.batch_scan, req.endpoint, req.input_file_id, info.object["bytes"], settings)
-    known = catalog(db, settings)
-    if model not in {m.model for m in known}:
-        listed = ", ".join([repr(m.model) for m in known if m.live_workers][:20]) or "none"
-        raise bad_request(
-            f"The model {model!r} is not served by any live worker (served now: {listed}); start one with "
-            f"`conveyor worker --model CHECKPOINT --served-model-name {model}`.",
-            param="model",
-            code="model_not_found",
-        )
+    info = _input_file(db, req, owner)
+    model = _served_model(db, info, req, settings)
     # Intake takes only lines to the endpoint (a plain row or another url is that line's error).
     options = SubmitOptions(
         model=model,
@@ -300,6 +267,57 @@ def create_batch(services: ApiServices, owner: str | None, req: BatchCreate, ide
         fail_unqueued(db, batch["id"], f"the batch could not be handed to the workers: {type(exc).__name__}")
         raise ApiError(503, "The server cannot reach its broker right now; try again shortly.") from None
     return batch
+
+
+def _checked_fields(req: BatchCreate, settings: Settings) -> dict[str, str] | None:
+    """The request's endpoint, completion window and metadata checked; the metadata to keep."""
+    if req.endpoint not in ENDPOINTS:
+        raise bad_request(
+            f"Invalid value for 'endpoint': {req.endpoint!r}; Conveyor serves {', '.join(ENDPOINTS)}.",
+            param="endpoint",
+            code="invalid_value",
+        )
+    try:
+        completion_window_seconds(req.completion_window, settings.min_completion_window_seconds)
+    except ValueError as exc:
+        raise bad_request(f"Invalid value for 'completion_window': {exc}", param="completion_window") from None
+    try:
+        metadata = check_metadata(req.metadata)
+    except MetadataError as exc:
+        raise bad_request(str(exc), param="metadata", code=exc.code) from None
+    except ValueError as exc:  # text PostgreSQL cannot store
+        raise bad_request(f"Invalid value for 'metadata': {exc}", param="metadata") from None
+    return metadata
+
+
+def _input_file(db: Engine, req: BatchCreate, owner: str | None) -> StoredFileInfo:
+    """The batch's input file: the owner's, not expired, with purpose ``batch``."""
+    try:
+        info = get_file_info(db, req.input_file_id, owner)
+    except FileNotFound as exc:  # (an expired one says so)
+        raise not_found(str(exc), param="input_file_id") from None
+    if info.object["purpose"] != BATCH:
+        raise bad_request(
+            f"File {req.input_file_id} has purpose {info.object['purpose']!r}; a batch's input file has purpose "
+            "'batch'.",
+            param="input_file_id",
+        )
+    return info
+
+
+def _served_model(db: Engine, info: StoredFileInfo, req: BatchCreate, settings: Settings) -> str:
+    """The model the input file's lines name, refused unless the deployment serves it."""
+    model = batch_model(info.batch_scan, req.endpoint, req.input_file_id, info.object["bytes"], settings)
+    known = catalog(db, settings)
+    if model not in {m.model for m in known}:
+        listed = ", ".join([repr(m.model) for m in known if m.live_workers][:20]) or "none"
+        raise bad_request(
+            f"The model {model!r} is not served by any live worker (served now: {listed}); start one with "
+            f"`conveyor worker --model CHECKPOINT --served-model-name {model}`.",
+            param="model",
+            code="model_not_found",
+        )
+    return model
 
 
 def _same_request(

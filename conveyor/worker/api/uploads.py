@@ -207,75 +207,20 @@ async def receive_upload(
     """Stream the form's file into the store; the upload (to ``commit``) and the form's fields.
     An ``ApiError`` after the upload was aborted and the body drained (a 408, not drained,
     when the client sent slower than ``pace``)."""
-    boundary = _boundary(request)
-    events = _Events()
-    parser = MultipartParser(boundary, events.callbacks())
+    form = _FormReader(_boundary(request), store, max_bytes=max_bytes, max_line_bytes=max_line_bytes)
     stream = _paced(request.stream(), pace)
-    upload: FileUpload | None = None
-    fields: dict[str, str] = {}
-    filename: str | None = None
-    pending = bytearray()
-    current: _Part | None = None
-    parts = 0
-    done = False
     try:
         async for chunk in stream:
-            try:
-                parser.write(chunk)
-            except MultipartParseError as exc:
-                raise bad_request(f"The multipart body could not be parsed: {exc}") from None
-            for kind, value in events.items:
-                if kind == "begin":
-                    current = value
-                    parts += 1
-                    if parts > MAX_PARTS:
-                        raise bad_request(f"The form has more than {MAX_PARTS} parts.")
-                    if current.name == "file":
-                        if upload is not None:
-                            raise bad_request("The form holds more than one file.", param="file")
-                        filename = _filename(current.filename)
-                        scan = max_line_bytes if fields.get("purpose", BATCH) == BATCH else None
-                        upload = await run_in_threadpool(FileUpload, store, max_bytes=max_bytes, scan_line_bytes=scan)
-                    elif len(fields) >= MAX_FIELDS:
-                        raise bad_request(f"The form has more than {MAX_FIELDS} fields.")
-                elif kind == "data" and current is not None:
-                    if current.name == "file" and upload is not None:
-                        pending += value
-                        if len(pending) >= FLUSH_BYTES:
-                            await run_in_threadpool(upload.write, bytes(pending))
-                            pending.clear()
-                    else:
-                        current.value += value
-                        if len(current.value) > MAX_FIELD_BYTES:
-                            raise bad_request(f"The form field {current.name!r:.40} is too long.", param=current.name)
-                elif kind == "end" and current is not None:
-                    if current.name == "file" and upload is not None:
-                        await run_in_threadpool(upload.write, bytes(pending))
-                        pending.clear()
-                    elif current.name is not None:
-                        fields[current.name] = current.value.decode("utf-8", "replace")
-                    current = None
-                elif kind == "done":
-                    done = True
-            events.items.clear()
-        if not done:
-            raise bad_request("The multipart body ended early.")
-        if upload is None:
-            raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
-        form = _form(fields, filename or "")
-        if form.purpose != BATCH:
-            upload.stop_scanning()
-        return upload, form
+            await form.feed(chunk)
+        return form.finish()
     except ClientDisconnect:
-        if upload is not None:
-            await run_in_threadpool(upload.abort)
+        await form.abort()
         raise ApiError(400, "The client went away before the upload finished.") from None
     except FileTooLarge:
         await drain(stream)
         raise too_large(max_bytes) from None
     except UploadStalled as exc:
-        if upload is not None:
-            await run_in_threadpool(upload.abort)
+        await form.abort()
         raise ApiError(
             408,
             f"The upload was too slow: {exc}; nothing was kept.",
@@ -283,10 +228,95 @@ async def receive_upload(
             headers={"Connection": "close"},
         ) from None
     except BaseException:
-        if upload is not None:
-            await run_in_threadpool(upload.abort)
+        await form.abort()
         await drain(stream)
         raise
+
+
+class _FormReader:
+    """A multipart form read as it streams in: its file part goes to the store (``FLUSH_BYTES``
+    at a time), its other fields are kept, bounded in number and size."""
+
+    def __init__(self, boundary: bytes, store: ObjectStore, *, max_bytes: int, max_line_bytes: int) -> None:
+        self.events = _Events()
+        self.parser = MultipartParser(boundary, self.events.callbacks())
+        self.store = store
+        self.max_bytes = max_bytes
+        self.max_line_bytes = max_line_bytes
+        self.upload: FileUpload | None = None
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.pending = bytearray()
+        self.current: _Part | None = None
+        self.parts = 0
+        self.done = False
+
+    async def feed(self, chunk: bytes) -> None:
+        try:
+            self.parser.write(chunk)
+        except MultipartParseError as exc:
+            raise bad_request(f"The multipart body could not be parsed: {exc}") from None
+        for kind, value in self.events.items:
+            if kind == "begin":
+                await self._begin(value)
+            elif kind == "data" and self.current is not None:
+                await self._data(self.current, value)
+            elif kind == "end" and self.current is not None:
+                await self._end(self.current)
+            elif kind == "done":
+                self.done = True
+        self.events.items.clear()
+
+    async def _begin(self, part: _Part) -> None:
+        self.current = part
+        self.parts += 1
+        if self.parts > MAX_PARTS:
+            raise bad_request(f"The form has more than {MAX_PARTS} parts.")
+        if part.name == "file":
+            if self.upload is not None:
+                raise bad_request("The form holds more than one file.", param="file")
+            self.filename = _filename(part.filename)
+            scan = self.max_line_bytes if self.fields.get("purpose", BATCH) == BATCH else None
+            self.upload = await run_in_threadpool(
+                FileUpload, self.store, max_bytes=self.max_bytes, scan_line_bytes=scan
+            )
+        elif len(self.fields) >= MAX_FIELDS:
+            raise bad_request(f"The form has more than {MAX_FIELDS} fields.")
+
+    async def _data(self, part: _Part, value: bytes) -> None:
+        if part.name == "file" and self.upload is not None:
+            self.pending += value
+            if len(self.pending) >= FLUSH_BYTES:
+                await run_in_threadpool(self.upload.write, bytes(self.pending))
+                self.pending.clear()
+        else:
+            part.value += value
+            if len(part.value) > MAX_FIELD_BYTES:
+                raise bad_request(f"The form field {part.name!r:.40} is too long.", param=part.name)
+
+    async def _end(self, part: _Part) -> None:
+        if part.name == "file" and self.upload is not None:
+            await run_in_threadpool(self.upload.write, bytes(self.pending))
+            self.pending.clear()
+        elif part.name is not None:
+            self.fields[part.name] = part.value.decode("utf-8", "replace")
+        self.current = None
+
+    def finish(self) -> tuple[FileUpload, UploadForm]:
+        """The upload and the form, once the whole body was read."""
+        if not self.done:
+            raise bad_request("The multipart body ended early.")
+        if self.upload is None:
+            raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+        form = _form(self.fields, self.filename or "")
+        if form.purpose != BATCH:
+            self.upload.stop_scanning()
+        return self.upload, form
+
+    async def abort(self) -> None:
+        """Drop what was stored of the file (the upload failed)."""
+        if self.upload is not None:
+            await run_in_threadpool(self.upload.abort)
 
 
 def _filename(name: str | None) -> str:

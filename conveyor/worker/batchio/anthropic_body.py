@@ -46,13 +46,35 @@ _CACHE = "cache_control"  # accepted on any block and ignored
 def chat_body(params: Mapping[str, Any]) -> dict[str, Any]:
     """The chat completions body an Anthropic ``params`` object amounts to (``InvalidRequest``
     naming the field that cannot be served)."""
+    _check_params(params)
+    max_tokens = params["max_tokens"]
+    chat: dict[str, Any] = {"max_tokens": max_tokens}
+    if params.get("model") is not None:
+        chat["model"] = params["model"]
+    chat["messages"] = _system(params.get("system")) + _messages(params.get("messages"))
+    chat.update(_sampling(params))
+    if params.get("thinking") is not None:
+        budget = _thinking(params["thinking"], max_tokens)
+        if budget is not None:
+            chat["thinking_token_budget"] = budget
+    if params.get("output_config") is not None:
+        chat.update(_output_config(params["output_config"]))
+    if params.get("tools") is not None:
+        chat["tools"] = _tools(params["tools"])
+    if params.get("tool_choice") is not None:
+        chat.update(_tool_choice(params["tool_choice"]))
+    return chat
+
+
+def _check_params(params: Mapping[str, Any]) -> None:
+    """Every field is one Conveyor reads, ``max_tokens`` is given, and nothing asks for what a
+    batch line cannot do."""
     for name in params:
         if name in _REFUSED:
             raise InvalidRequest("unsupported", f"{name}: {_REFUSED[name]}", name)
         if name not in _READ:
             raise InvalidRequest("unknown_parameter", f"{name}: Extra inputs are not permitted", name)
-    max_tokens = params.get("max_tokens")
-    if max_tokens is None:
+    if params.get("max_tokens") is None:
         raise InvalidRequest("missing_required_parameter", "max_tokens: Field required", "max_tokens")
     if params.get("stream") not in (None, False):
         raise InvalidRequest("unsupported", "stream: batch requests cannot stream", "stream")
@@ -61,10 +83,12 @@ def chat_body(params: Mapping[str, Any]) -> dict[str, Any]:
     metadata = params.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise InvalidRequest("invalid_value", "metadata: must be an object", "metadata")
-    chat: dict[str, Any] = {"max_tokens": max_tokens}
-    if params.get("model") is not None:
-        chat["model"] = params["model"]
-    chat["messages"] = _system(params.get("system")) + _messages(params.get("messages"))
+
+
+def _sampling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``temperature`` (0 to 1 in Anthropic's API), ``top_p``, ``top_k`` and ``stop_sequences``
+    under their chat names."""
+    chat: dict[str, Any] = {}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
         if params.get(theirs) is not None:
             chat[ours] = params[theirs]
@@ -78,16 +102,6 @@ def chat_body(params: Mapping[str, Any]) -> dict[str, Any]:
             )
         if stops:
             chat["stop"] = stops
-    if params.get("thinking") is not None:
-        budget = _thinking(params["thinking"], max_tokens)
-        if budget is not None:
-            chat["thinking_token_budget"] = budget
-    if params.get("output_config") is not None:
-        chat.update(_output_config(params["output_config"]))
-    if params.get("tools") is not None:
-        chat["tools"] = _tools(params["tools"])
-    if params.get("tool_choice") is not None:
-        chat.update(_tool_choice(params["tool_choice"]))
     return chat
 
 

@@ -97,29 +97,37 @@ def iter_csv(
         if not any(cell.strip() for cell in row):
             continue
         if header is None:
-            header = [h.strip().lower() for h in row]
-            if not {"prompt", "messages", "input"} & set(header):
-                raise InputError(
-                    f"the CSV header has no 'prompt', 'messages' or 'input' column (columns: {', '.join(header)})"
-                )
+            header = _header(row)
             continue
         count += 1
         if count > limits.max_lines:
             raise too_many(limits, "rows")
-        line = feed.record_start
-        if len(row) > len(header):
-            yield LineError(line, "invalid_csv", f"row has {len(row)} fields but the header has {len(header)}")
-            continue
-        obj: dict[str, Any] = {}
-        for name, cell in zip(header, row, strict=False):  # a short row: missing cells are empty
-            obj[name] = cell if name in ("prompt", "input", "custom_id", "id") else _csv_value(cell)
-        obj = {k: v for k, v in obj.items() if v not in (None, "")}
-        if isinstance(obj.get("messages"), str):  # not JSON: say so rather than "not a list"
-            what = 'the messages cell must be a JSON list such as [{"role": "user", "content": "Hi"}]'
-            yield LineError(line, "invalid_value", what, guess_custom_id(obj), "messages")
-            continue
-        if "input" in header and "prompt" not in header:  # an embeddings row: an empty input is its error
-            obj["input"] = obj.get("input", "")
-        elif "messages" not in obj:  # an empty prompt is that row's error, not a missing column
-            obj["prompt"] = obj.get("prompt", "")
-        yield record_from_object(obj, line, limits, options)
+        yield _row_record(header, row, feed.record_start, limits, options)
+
+
+def _header(row: list[str]) -> list[str]:
+    """The column names (lower case), refused without a column that holds the prompt."""
+    header = [h.strip().lower() for h in row]
+    if not {"prompt", "messages", "input"} & set(header):
+        raise InputError(f"the CSV header has no 'prompt', 'messages' or 'input' column (columns: {', '.join(header)})")
+    return header
+
+
+def _row_record(
+    header: list[str], row: list[str], line: int, limits: InputLimits, options: RequestOptions | None
+) -> ParsedRequest | LineError:
+    """One data row as a request, or as that row's error."""
+    if len(row) > len(header):
+        return LineError(line, "invalid_csv", f"row has {len(row)} fields but the header has {len(header)}")
+    obj: dict[str, Any] = {}
+    for name, cell in zip(header, row, strict=False):  # a short row: missing cells are empty
+        obj[name] = cell if name in ("prompt", "input", "custom_id", "id") else _csv_value(cell)
+    obj = {k: v for k, v in obj.items() if v not in (None, "")}
+    if isinstance(obj.get("messages"), str):  # not JSON: say so rather than "not a list"
+        what = 'the messages cell must be a JSON list such as [{"role": "user", "content": "Hi"}]'
+        return LineError(line, "invalid_value", what, guess_custom_id(obj), "messages")
+    if "input" in header and "prompt" not in header:  # an embeddings row: an empty input is its error
+        obj["input"] = obj.get("input", "")
+    elif "messages" not in obj:  # an empty prompt is that row's error, not a missing column
+        obj["prompt"] = obj.get("prompt", "")
+    return record_from_object(obj, line, limits, options)

@@ -205,53 +205,16 @@ def request_from_object(
     if _batch_line_without_body(obj):
         raise InvalidRequest("missing_prompt", "a request needs a body with a prompt or messages", "body")
     if "body" in obj:  # OpenAI Batch line
-        custom_id = _custom_id(obj.get("custom_id"), limits, required=True, line=line)
-        extra = sorted(set(obj) - _OPENAI_KEYS)
-        if extra:
-            raise InvalidRequest("unknown_parameter", f"unknown field(s) {', '.join(extra)} in a batch line", extra[0])
-        if obj.get("method") != "POST":
-            raise InvalidRequest("invalid_value", f'method must be "POST", got {shown(obj.get("method"))}', "method")
-        endpoint = obj.get("url")
-        if endpoint not in LINE_ENDPOINTS:
-            raise InvalidRequest(
-                "invalid_value", f"url must be one of {', '.join(LINE_ENDPOINTS)}, got {shown(endpoint)}", "url"
-            )
-        body = obj["body"]
-        if not isinstance(body, dict):
-            raise InvalidRequest("invalid_request", "body must be a JSON object", "body")
-        body, strict, plain = options.body_with_defaults(body), True, False
+        custom_id, endpoint = _batch_line_envelope(obj, line, limits)
+        body, strict, plain = options.body_with_defaults(obj["body"]), True, False
     else:  # a plain dataset row
         custom_id = _custom_id(obj.get("custom_id", obj.get("id")), limits, required=False, line=line)
         body, strict, plain = options.body_with_defaults(obj), False, True
         endpoint = CHAT if "messages" in obj else EMBEDDINGS if "input" in obj and "prompt" not in obj else COMPLETIONS
-    if endpoint == EMBEDDINGS:
-        # The job's sampling defaults are for generation: an embeddings body is read as sent.
-        inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=strict)
-        return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
-    if endpoint == SCORE:
-        pairs = parse_score_body(obj["body"], limits)
-        return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs)
-    if endpoint == RERANK:
-        pairs, rerank = parse_rerank_body(obj["body"], limits)
-        return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs, rerank=rerank)
-    echoed = None
-    if endpoint == RESPONSES:
-        echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
-        body = chat_body(body)
-    elif endpoint == MESSAGES:  # read as sent: the job's defaults use chat's names
-        body = options.body_with_defaults(messages_chat_body(obj["body"]))
-        echoed = {"stop_sequences": body["stop"]} if body.get("stop") else None
+    if endpoint in (EMBEDDINGS, SCORE, RERANK):
+        return _unsampled_request(obj, line, custom_id, endpoint, limits, plain=plain)
     if endpoint in (CHAT, RESPONSES, MESSAGES):
-        if "messages" not in body:
-            raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
-        messages = options.with_system(parse_messages(body["messages"], limits))
-        sampling = sampling_from_body(body, CHAT, limits, strict=strict)
-        tools = apply_tools(body, sampling, limits)
-        kwargs, effort = template_controls(body, limits)
-        return ParsedRequest(
-            line, custom_id, endpoint, sampling, messages=messages, tools=tools, template_kwargs=kwargs,
-            reasoning_effort=effort, echoed=echoed,
-        )  # fmt: skip
+        return _chat_request(obj, body, line, custom_id, endpoint, limits, options, strict=strict)
     if "prompt" not in body:
         what = "a completions request needs a prompt" if strict else "no prompt or messages field"
         raise InvalidRequest("missing_prompt", what, "prompt")
@@ -261,6 +224,64 @@ def request_from_object(
     return ParsedRequest(
         line, custom_id, endpoint, sampling, prompt=prompt, echo=echo_from_body(body, endpoint), chat=chat,
         system_prompt=options.system_prompt if chat is not False else None,
+    )  # fmt: skip
+
+
+def _batch_line_envelope(obj: dict[str, Any], line: int, limits: InputLimits) -> tuple[str, str]:
+    """An OpenAI Batch line's ``custom_id`` and endpoint (its ``url``), its envelope checked:
+    no unknown field, ``POST``, a served endpoint, a ``body`` object."""
+    custom_id = _custom_id(obj.get("custom_id"), limits, required=True, line=line)
+    extra = sorted(set(obj) - _OPENAI_KEYS)
+    if extra:
+        raise InvalidRequest("unknown_parameter", f"unknown field(s) {', '.join(extra)} in a batch line", extra[0])
+    if obj.get("method") != "POST":
+        raise InvalidRequest("invalid_value", f'method must be "POST", got {shown(obj.get("method"))}', "method")
+    endpoint = obj.get("url")
+    if endpoint not in LINE_ENDPOINTS:
+        raise InvalidRequest(
+            "invalid_value", f"url must be one of {', '.join(LINE_ENDPOINTS)}, got {shown(endpoint)}", "url"
+        )
+    if not isinstance(obj["body"], dict):
+        raise InvalidRequest("invalid_request", "body must be a JSON object", "body")
+    return custom_id, endpoint
+
+
+def _unsampled_request(
+    obj: dict[str, Any], line: int, custom_id: str, endpoint: str, limits: InputLimits, *, plain: bool
+) -> ParsedRequest:
+    """An embeddings, score or rerank request: no generation, so none of the job's sampling defaults."""
+    if endpoint == EMBEDDINGS:
+        # The job's sampling defaults are for generation: an embeddings body is read as sent.
+        inputs, sampling, encoding = parse_embeddings_body(obj if plain else obj["body"], limits, strict=not plain)
+        return ParsedRequest(line, custom_id, endpoint, sampling, inputs=inputs, encoding_format=encoding)
+    if endpoint == SCORE:
+        pairs = parse_score_body(obj["body"], limits)
+        return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs)
+    pairs, rerank = parse_rerank_body(obj["body"], limits)
+    return ParsedRequest(line, custom_id, endpoint, dict(SCORE_SAMPLING), pairs=pairs, rerank=rerank)
+
+
+def _chat_request(
+    obj: dict[str, Any], body: dict[str, Any], line: int, custom_id: str, endpoint: str,
+    limits: InputLimits, options: RequestOptions, *, strict: bool,
+) -> ParsedRequest:  # fmt: skip
+    """A chat request: chat completions, or a Responses or Anthropic Messages body read as one."""
+    echoed = None
+    if endpoint == RESPONSES:
+        echoed = {k: body[k] for k in _ECHOED if body.get(k) is not None}
+        body = chat_body(body)
+    elif endpoint == MESSAGES:  # read as sent: the job's defaults use chat's names
+        body = options.body_with_defaults(messages_chat_body(obj["body"]))
+        echoed = {"stop_sequences": body["stop"]} if body.get("stop") else None
+    if "messages" not in body:
+        raise InvalidRequest("missing_prompt", "a chat request needs messages", "messages")
+    messages = options.with_system(parse_messages(body["messages"], limits))
+    sampling = sampling_from_body(body, CHAT, limits, strict=strict)
+    tools = apply_tools(body, sampling, limits)
+    kwargs, effort = template_controls(body, limits)
+    return ParsedRequest(
+        line, custom_id, endpoint, sampling, messages=messages, tools=tools, template_kwargs=kwargs,
+        reasoning_effort=effort, echoed=echoed,
     )  # fmt: skip
 
 

@@ -198,42 +198,73 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
     sampling: dict[str, Any] = {"max_tokens": _max_tokens(body, limits)}
     chat = endpoint == CHAT
     for name, value in body.items():
-        if value is None or name in ("max_tokens", "max_completion_tokens", "messages", "prompt"):
+        if value is None or _read_elsewhere(name, chat):
             continue
         if name in _COMMON:
             sampling[name] = _COMMON[name](value, limits)
-        elif name == "logprobs" and chat:
-            if _bool("logprobs", value):
-                sampling["logprobs"] = sampling.get("logprobs", 0)
-        elif name == "top_logprobs" and chat:
-            sampling["logprobs"] = _int("top_logprobs", value, 0, limits.max_logprobs)
-        elif name == "logprobs":
-            sampling["logprobs"] = _int("logprobs", value, 0, limits.max_logprobs)
-        elif name == "echo" and not chat:
-            _bool("echo", value)  # not sampling: echo_from_body
+        elif name == "logprobs" or (name == "top_logprobs" and chat):
+            _read_logprobs(sampling, name, value, chat, limits)
         elif name in ("response_format", "structured_outputs"):
-            constraint = (formats.response_format if name == "response_format" else formats.structured_outputs)(
-                value, limits
-            )
-            if constraint is not None:
-                if "structured_outputs" in sampling:
-                    raise InvalidRequest(
-                        "invalid_request", "give response_format or structured_outputs, not both", name
-                    )
-                sampling["structured_outputs"] = constraint
-        elif name in _TOOL_FIELDS and chat:
-            continue  # read by conveyor.worker.batchio.tools
-        elif name in _TEMPLATE_FIELDS and chat:
-            continue  # read by template_controls
-        elif name == "best_of" and not chat:
-            if value != body.get("n", 1):
-                raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")
-        elif name in _IGNORED:
-            if strict and not _IGNORED[name](value):
-                hint = _UNSUPPORTED_HINT.get(name, f"unsupported value for {name}")
-                raise InvalidRequest("unsupported", f"{hint} ({name}={shown(value)})", name)
-        elif strict:
-            raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {endpoint}", name)
+            _read_constraint(sampling, name, value, limits)
+        else:
+            _check_unsampled(name, value, body, endpoint, strict)
+    _check_together(body, sampling, chat)
+    if echo_from_body(body, endpoint) and "logprobs" in sampling:
+        # The echoed prompt's tokens come with their logprobs too, as OpenAI's completions give
+        # them (scoring a text: the model's logprob of each of its tokens).
+        sampling["prompt_logprobs"] = sampling["logprobs"]
+    return sampling
+
+
+def _read_elsewhere(name: str, chat: bool) -> bool:
+    """A field another reader takes: the prompt and the token limit, and a chat request's tool
+    fields (``conveyor.worker.batchio.tools``) and template controls (``template_controls``)."""
+    if name in ("max_tokens", "max_completion_tokens", "messages", "prompt"):
+        return True
+    return chat and (name in _TOOL_FIELDS or name in _TEMPLATE_FIELDS)
+
+
+def _read_logprobs(sampling: dict[str, Any], name: str, value: Any, chat: bool, limits: InputLimits) -> None:
+    """Chat's ``logprobs`` (a flag) and ``top_logprobs`` (how many alternatives), or
+    completions' ``logprobs`` (how many alternatives)."""
+    if name == "logprobs" and chat:
+        if _bool("logprobs", value):
+            sampling.setdefault("logprobs", 0)
+    else:
+        sampling["logprobs"] = _int(name, value, 0, limits.max_logprobs)
+
+
+def _read_constraint(sampling: dict[str, Any], name: str, value: Any, limits: InputLimits) -> None:
+    """``response_format`` or ``structured_outputs``: at most one of them constrains the output."""
+    read = formats.response_format if name == "response_format" else formats.structured_outputs
+    constraint = read(value, limits)
+    if constraint is None:
+        return
+    if "structured_outputs" in sampling:
+        raise InvalidRequest("invalid_request", "give response_format or structured_outputs, not both", name)
+    sampling["structured_outputs"] = constraint
+
+
+def _check_unsampled(name: str, value: Any, body: Mapping[str, Any], endpoint: str, strict: bool) -> None:
+    """A field that is no sampling parameter: accepted when it asks for nothing the engine
+    cannot do (``strict``: an unknown one is an error)."""
+    chat = endpoint == CHAT
+    if name == "echo" and not chat:
+        _bool("echo", value)  # not sampling: echo_from_body
+    elif name == "best_of" and not chat:
+        if value != body.get("n", 1):
+            raise InvalidRequest("unsupported", "best_of is not supported (unless equal to n)", "best_of")
+    elif name in _IGNORED:
+        if strict and not _IGNORED[name](value):
+            hint = _UNSUPPORTED_HINT.get(name, f"unsupported value for {name}")
+            raise InvalidRequest("unsupported", f"{hint} ({name}={shown(value)})", name)
+    elif strict:
+        raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {endpoint}", name)
+
+
+def _check_together(body: Mapping[str, Any], sampling: dict[str, Any], chat: bool) -> None:
+    """The rules between fields: chat's ``top_logprobs`` needs ``logprobs``; ``min_tokens`` at
+    most ``max_tokens``."""
     if chat and "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
         raise InvalidRequest("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
     if sampling.get("min_tokens", 0) > sampling["max_tokens"]:
@@ -242,11 +273,6 @@ def sampling_from_body(body: Mapping[str, Any], endpoint: str, limits: InputLimi
             f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({sampling['max_tokens']})",
             "min_tokens",
         )
-    if echo_from_body(body, endpoint) and "logprobs" in sampling:
-        # The echoed prompt's tokens come with their logprobs too, as OpenAI's completions give
-        # them (scoring a text: the model's logprob of each of its tokens).
-        sampling["prompt_logprobs"] = sampling["logprobs"]
-    return sampling
 
 
 def template_controls(body: Mapping[str, Any], limits: InputLimits) -> tuple[dict[str, Any] | None, str | None]:

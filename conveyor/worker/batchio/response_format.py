@@ -111,27 +111,37 @@ def structured_outputs(value: Any, limits: InputLimits) -> dict[str, Any]:
     kind, v = next(iter(given.items()))
     where = f"{param}.{kind}"
     if kind == "json":
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except (ValueError, RecursionError):
-                raise InvalidRequest("invalid_value", f"{where} is not valid JSON", where) from None
-        return {"json": check_schema(where, v, limits)}
+        return {"json": _json_schema(where, v, limits)}
     if kind == "json_object":
         if v is not True:
             raise InvalidRequest("invalid_value", f"{where} must be true", where)
         return {"json_object": True}
     if kind == "choice":
-        if not isinstance(v, list) or not v or len(v) > limits.max_choices:
-            raise InvalidRequest(
-                "invalid_value", f"{where} must be a list of 1 to {limits.max_choices} strings, got {shown(v)}", where
-            )
-        if not all(isinstance(c, str) and c for c in v):
-            raise InvalidRequest("invalid_value", f"{where} must hold non-empty strings, got {shown(v)}", where)
-        if sum(len(c) for c in v) > limits.max_schema_bytes:
-            raise InvalidRequest("invalid_value", f"{where} is longer than {limits.max_schema_bytes} characters", where)
-        return {"choice": v}
+        return {"choice": _choices(where, v, limits)}
     if not isinstance(v, str) or not v or len(v) > limits.max_schema_bytes:
         what = f"a non-empty string of at most {limits.max_schema_bytes} characters"
         raise InvalidRequest("invalid_value", f"{where} must be {what}", where)
     return {kind: v}
+
+
+def _json_schema(where: str, value: Any, limits: InputLimits) -> dict[str, Any]:
+    """A JSON schema given as an object or as JSON text, checked."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InvalidRequest("invalid_value", f"{where} is not valid JSON", where) from None
+    return check_schema(where, value, limits)
+
+
+def _choices(where: str, value: Any, limits: InputLimits) -> list[str]:
+    """``choice``: 1 to ``max_choices`` non-empty strings, ``max_schema_bytes`` characters in all."""
+    if not isinstance(value, list) or not value or len(value) > limits.max_choices:
+        raise InvalidRequest(
+            "invalid_value", f"{where} must be a list of 1 to {limits.max_choices} strings, got {shown(value)}", where
+        )
+    if not all(isinstance(c, str) and c for c in value):
+        raise InvalidRequest("invalid_value", f"{where} must hold non-empty strings, got {shown(value)}", where)
+    if sum(len(c) for c in value) > limits.max_schema_bytes:
+        raise InvalidRequest("invalid_value", f"{where} is longer than {limits.max_schema_bytes} characters", where)
+    return value

@@ -51,37 +51,24 @@ _PASSED = (
 )  # fmt: skip
 
 
+# Fields that ask for nothing but must say so: ``false`` (or left out), with why otherwise.
+_MUST_BE_FALSE = {
+    "store": "store: true keeps responses for later retrieval; batch results are the output file: send store: "
+    "false or leave it out",
+    "background": "background: true is for single responses; a batch line already runs in the background",
+    "stream": "batch requests cannot stream",
+}
+# Read after the options, by ``chat_body`` itself.
+_READ_BY_NAME = ("input", "instructions", "max_output_tokens", "text", "tools", "tool_choice")
+
+
 def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat completions body a Responses body amounts to (``InvalidRequest`` naming the
     field that cannot be served)."""
     chat: dict[str, Any] = {}
     for name, value in body.items():
-        if value is None or name in ("input", "instructions", "max_output_tokens", "text", "tools", "tool_choice"):
-            continue
-        if name in _REFUSED:
-            raise InvalidRequest("unsupported", _REFUSED[name], name)
-        if name == "store":
-            if value is not False:
-                raise InvalidRequest(
-                    "unsupported", "store: true keeps responses for later retrieval; batch results are the "
-                    "output file: send store: false or leave it out", "store",
-                )  # fmt: skip
-        elif name == "background":
-            if value is not False:
-                raise InvalidRequest("unsupported", "background: true is for single responses; a batch line "
-                                     "already runs in the background", "background")  # fmt: skip
-        elif name == "stream":
-            if value is not False:
-                raise InvalidRequest("unsupported", "batch requests cannot stream", "stream")
-        elif name == "reasoning":
-            chat.update(_reasoning(value))
-        elif name in _PASSED:
-            chat[name] = value
-        elif name in _HARMLESS:
-            if not _HARMLESS[name](value):
-                raise InvalidRequest("unsupported", f"unsupported value for {name} ({shown(value)})", name)
-        else:
-            raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {RESPONSES}", name)
+        if value is not None and name not in _READ_BY_NAME:
+            chat.update(_option(name, value))
     if "input" not in body or body["input"] is None:
         raise InvalidRequest("missing_prompt", "a responses request needs input", "input")
     instructions = body.get("instructions")
@@ -100,6 +87,25 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     return chat
+
+
+def _option(name: str, value: Any) -> dict[str, Any]:
+    """What one option of a Responses body adds to the chat body (often nothing: it is checked)."""
+    if name in _REFUSED:
+        raise InvalidRequest("unsupported", _REFUSED[name], name)
+    if name in _MUST_BE_FALSE:
+        if value is not False:
+            raise InvalidRequest("unsupported", _MUST_BE_FALSE[name], name)
+        return {}
+    if name == "reasoning":
+        return _reasoning(value)
+    if name in _PASSED:
+        return {name: value}
+    if name not in _HARMLESS:
+        raise InvalidRequest("unknown_parameter", f"unknown parameter {name!r} for {RESPONSES}", name)
+    if not _HARMLESS[name](value):
+        raise InvalidRequest("unsupported", f"unsupported value for {name} ({shown(value)})", name)
+    return {}
 
 
 def _reasoning(value: Any) -> dict[str, Any]:

@@ -59,19 +59,30 @@ def parse_tool_calls(
     if _DEEPSEEK_BEGIN in text:
         return _deepseek(text, allowed)
     if "<tool_call>" in text:
-        calls = []
-        for body in _HERMES.findall(text):
-            if body.startswith("{"):
-                call = _call(_loads(body), allowed)
-            else:
-                xml = xml_call(body, schemas or {})
-                call = _call({"name": xml[0], "arguments": xml[1]}, allowed) if xml is not None else None
-            if call is None:
-                return text, []
-            calls.append(call)
-        # The text around the calls: Gemma 4's template writes a turn's answer after them.
-        content = _HERMES.sub("", text).strip()
-        return content or None, calls
+        return _hermes(text, allowed, schemas or {})
+    return _json_calls(text, allowed)
+
+
+def _hermes(text: str, allowed: set[str], schemas: Mapping[str, Any]) -> tuple[str | None, list[Call]]:
+    """Calls in ``<tool_call>`` tags, each a JSON object or an XML call (Qwen3-Coder's)."""
+    calls = []
+    for body in _HERMES.findall(text):
+        if body.startswith("{"):
+            call = _call(_loads(body), allowed)
+        else:
+            xml = xml_call(body, schemas)
+            call = _call({"name": xml[0], "arguments": xml[1]}, allowed) if xml is not None else None
+        if call is None:
+            return text, []
+        calls.append(call)
+    # The text around the calls: Gemma 4's template writes a turn's answer after them.
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
+
+
+def _json_calls(text: str, allowed: set[str]) -> tuple[str | None, list[Call]]:
+    """Calls as bare JSON, after Mistral's or Llama's marker when there is one: the whole text
+    is calls, or it is the content."""
     head = text.strip()
     if head.startswith(_MISTRAL):
         head = head[len(_MISTRAL) :].strip()

@@ -50,6 +50,7 @@ key). A message whose Celery envelope is malformed never reaches this module
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,20 @@ def check_reply_to(value: Any, queue_prefix: str, allowed_prefix: str = "") -> d
     producer cannot have announcements published into another application's queue."""
     if isinstance(value, str):
         value = {"queue": value}
+    kind, name = _reply_target(value)
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"reply_to {kind} must be 1 to 200 letters, digits, '_', '.', ':' or '-', got {name!r:.80}")
+    if _reserved(name, queue_prefix):
+        raise ValueError(f"reply_to {kind} {name!r} is reserved (amq.* or one of Conveyor's own, {queue_prefix}-*)")
+    if not name.startswith(allowed_prefix):
+        raise ValueError(f"reply_to {kind} {name!r} must start with {allowed_prefix!r} (CONVEYOR_REPLY_TO_PREFIX)")
+    if kind == "queue":
+        return {"queue": name}
+    return _exchange_target(value, name)
+
+
+def _reply_target(value: Any) -> tuple[str, Any]:
+    """``("queue", name)`` or ``("exchange", name)``: what a reply target names, its fields checked."""
     if not isinstance(value, dict):
         raise ValueError(
             "reply_to must be a queue name or an object: {'queue': name} or "
@@ -131,22 +146,17 @@ def check_reply_to(value: Any, queue_prefix: str, allowed_prefix: str = "") -> d
         extra = set(value) - {"queue"}
         if extra:
             raise ValueError(f"reply_to names a queue; it takes no {', '.join(sorted(map(str, extra)))}")
-        kind, name = "queue", value["queue"]
-    elif "exchange" in value:
+        return "queue", value["queue"]
+    if "exchange" in value:
         extra = set(value) - {"exchange", "routing_key", "type"}
         if extra:
             raise ValueError(f"reply_to has unknown fields: {', '.join(sorted(map(str, extra)))}")
-        kind, name = "exchange", value["exchange"]
-    else:
-        raise ValueError("reply_to must name a 'queue' or an 'exchange'")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"reply_to {kind} must be 1 to 200 letters, digits, '_', '.', ':' or '-', got {name!r:.80}")
-    if _reserved(name, queue_prefix):
-        raise ValueError(f"reply_to {kind} {name!r} is reserved (amq.* or one of Conveyor's own, {queue_prefix}-*)")
-    if not name.startswith(allowed_prefix):
-        raise ValueError(f"reply_to {kind} {name!r} must start with {allowed_prefix!r} (CONVEYOR_REPLY_TO_PREFIX)")
-    if kind == "queue":
-        return {"queue": name}
+        return "exchange", value["exchange"]
+    raise ValueError("reply_to must name a 'queue' or an 'exchange'")
+
+
+def _exchange_target(value: dict[str, Any], name: str) -> dict[str, Any]:
+    """An exchange target with its routing key and exchange type checked."""
     routing_key = value.get("routing_key", "")
     if not isinstance(routing_key, str) or not _ROUTING_KEY.match(routing_key):
         raise ValueError(
@@ -190,9 +200,33 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
     every field checked; ``InvalidSubmission`` naming the first field at fault."""
     if not isinstance(kwargs, dict):
         raise InvalidSubmission("the message's kwargs must be an object")
+    key, target = _answer_fields(kwargs, settings)
+
+    def refuse(message: str, param: str | None = None) -> InvalidSubmission:
+        return InvalidSubmission(message, param=param, idempotency_key=key, reply_to=target)
+
+    _check_fields(args, kwargs, refuse)
+    assert key is not None
+    values: dict[str, Any] = {}
+    field = "input_uri"
+    try:
+        for field, check in _FIELD_CHECKS:
+            values[field] = check(kwargs, settings)
+        for field in OPTION_FIELDS:  # each alone first, so a refusal names the field at fault
+            if kwargs.get(field) is not None:
+                RequestOptions.from_fields(**{field: kwargs[field]}).check(settings.input_limits())
+        options = RequestOptions.from_fields(**{name: kwargs.get(name) for name in OPTION_FIELDS})
+        field = "request options"
+        values["request_options"] = options.check(settings.input_limits())
+    except ValueError as exc:
+        raise refuse(f"{field}: {exc}" if not str(exc).startswith(field) else str(exc), field) from None
+    return Submission(idempotency_key=key, reply_to=target, **values)
+
+
+def _answer_fields(kwargs: dict[str, Any], settings: Settings) -> tuple[str | None, dict[str, Any] | None]:
+    """The two fields that let a refusal be answered, checked first: the idempotency key and the
+    reply target (None when not given)."""
     key: str | None = None
-    target: dict[str, Any] | None = None
-    # The two fields that let a refusal be answered come first.
     try:
         raw_key = kwargs.get("idempotency_key")
         key = None if raw_key is None else check_idempotency_key(raw_key)
@@ -205,12 +239,14 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
         )
     except ValueError as exc:
         raise InvalidSubmission(str(exc), param="reply_to", idempotency_key=key) from None
+    return key, target
 
-    def refuse(message: str, param: str | None = None) -> InvalidSubmission:
-        return InvalidSubmission(message, param=param, idempotency_key=key, reply_to=target)
 
+def _check_fields(args: Any, kwargs: dict[str, Any], refuse: Callable[[str, str | None], InvalidSubmission]) -> None:
+    """Keyword arguments only, each a known field, the required ones given, every value
+    storable (before any of them is looked up or stored)."""
     if args:
-        raise refuse("conveyor.submit_job takes keyword arguments only (the message's args must be [])")
+        raise refuse("conveyor.submit_job takes keyword arguments only (the message's args must be [])", None)
     unknown = sorted(str(k) for k in kwargs if k not in SUBMISSION_FIELDS)
     if unknown:
         raise refuse(
@@ -219,49 +255,56 @@ def parse_submission(args: Any, kwargs: Any, settings: Settings) -> Submission:
     for name in REQUIRED:
         if kwargs.get(name) is None:
             raise refuse(f"{name} is required", name)
-    for name, value in kwargs.items():  # before any of them is looked up or stored
+    for name, value in kwargs.items():
         try:
             check_storable(value, name)
         except UnstorableText as exc:
             raise refuse(str(exc), exc.field) from None
-    assert key is not None
-    values: dict[str, Any] = {}
-    field = "input_uri"
+
+
+def _model(kwargs: dict[str, Any], _settings: Settings) -> str:
     try:
-        values["input_uri"] = _check_uri(kwargs["input_uri"])
-        field = "model"
-        try:
-            values["model"] = canonical_model(kwargs["model"])
-        except InvalidModel:  # said as for any model not served: no oracle on a worker's paths
-            raise ValueError(not_served(kwargs["model"])) from None
-        field = "metadata"
-        values["metadata"] = check_metadata(kwargs.get("metadata"))
-        field = "completion_window"
-        window = kwargs.get("completion_window")
-        if window is not None:
-            completion_window_seconds(window, settings.min_completion_window_seconds)
-        values["completion_window"] = window
-        field = "priority"
-        priority = kwargs.get("priority")
-        values["priority"] = (
-            0 if priority is None else _check_int(field, priority, 0, settings.max_priority, "CONVEYOR_MAX_PRIORITY")
-        )
-        field = "shard_size"
-        size = kwargs.get("shard_size")
-        values["shard_size"] = (
-            None if size is None else _check_int(field, size, 1, settings.max_shard_size, "CONVEYOR_MAX_SHARD_SIZE")
-        )
-        field = "input_format"
-        fmt = kwargs.get("input_format")
-        if fmt is not None and fmt not in {f.value for f in InputFormat}:
-            raise ValueError(f"input_format must be one of {', '.join(f.value for f in InputFormat)}, got {fmt!r:.40}")
-        values["input_format"] = None if fmt is None else InputFormat(fmt)
-        for field in OPTION_FIELDS:  # each alone first, so a refusal names the field at fault
-            if kwargs.get(field) is not None:
-                RequestOptions.from_fields(**{field: kwargs[field]}).check(settings.input_limits())
-        options = RequestOptions.from_fields(**{name: kwargs.get(name) for name in OPTION_FIELDS})
-        field = "request options"
-        values["request_options"] = options.check(settings.input_limits())
-    except ValueError as exc:
-        raise refuse(f"{field}: {exc}" if not str(exc).startswith(field) else str(exc), field) from None
-    return Submission(idempotency_key=key, reply_to=target, **values)
+        return canonical_model(kwargs["model"])
+    except InvalidModel:  # said as for any model not served: no oracle on a worker's paths
+        raise ValueError(not_served(kwargs["model"])) from None
+
+
+def _completion_window(kwargs: dict[str, Any], settings: Settings) -> str | None:
+    window = kwargs.get("completion_window")
+    if window is not None:
+        completion_window_seconds(window, settings.min_completion_window_seconds)
+    return window
+
+
+def _priority(kwargs: dict[str, Any], settings: Settings) -> int:
+    priority = kwargs.get("priority")
+    if priority is None:
+        return 0
+    return _check_int("priority", priority, 0, settings.max_priority, "CONVEYOR_MAX_PRIORITY")
+
+
+def _shard_size(kwargs: dict[str, Any], settings: Settings) -> int | None:
+    size = kwargs.get("shard_size")
+    if size is None:
+        return None
+    return _check_int("shard_size", size, 1, settings.max_shard_size, "CONVEYOR_MAX_SHARD_SIZE")
+
+
+def _input_format(kwargs: dict[str, Any], _settings: Settings) -> InputFormat | None:
+    fmt = kwargs.get("input_format")
+    if fmt is not None and fmt not in {f.value for f in InputFormat}:
+        raise ValueError(f"input_format must be one of {', '.join(f.value for f in InputFormat)}, got {fmt!r:.40}")
+    return None if fmt is None else InputFormat(fmt)
+
+
+# A submission's fields in the order they are checked (a refusal names the first at fault), each
+# with its check: the value to keep, or ``ValueError``.
+_FIELD_CHECKS: tuple[tuple[str, Callable[[dict[str, Any], Settings], Any]], ...] = (
+    ("input_uri", lambda kwargs, _settings: _check_uri(kwargs["input_uri"])),
+    ("model", _model),
+    ("metadata", lambda kwargs, _settings: check_metadata(kwargs.get("metadata"))),
+    ("completion_window", _completion_window),
+    ("priority", _priority),
+    ("shard_size", _shard_size),
+    ("input_format", _input_format),
+)

@@ -85,35 +85,14 @@ def run_job(
     ``on_loaded(seconds, has_chat_template)`` after."""
     if concurrency is not None and not 1 <= concurrency <= 256:
         raise ValueError(f"concurrency must be from 1 to 256, got {concurrency}")
-    if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
-        raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
-    # Bad options, and an input whose start shows it cannot be a job (a CSV header without a
-    # prompt column), are named before the model loads (seconds to minutes).
-    request_options = RequestOptions.from_fields(**(submit_options or {}))
-    request_options.check(settings.input_limits())
-    if isinstance(source, (str, os.PathLike)):
-        fmt = InputFormat(input_format) if input_format is not None else None
-        check_input_start(Path(source).expanduser(), settings.input_limits(), fmt, request_options)
+    _check_before_loading(settings, source, input_format, submit_options)
     client = Client(settings)
     ctx: WorkerContext | None = None
     try:
         ctx = WorkerContext.create(settings, model, on_items=on_items, host_factory=host_factory)
         if on_records is not None:
             ctx.item_listeners.append(on_records)
-        if on_loading is not None:
-            on_loading()
-        loading = time.monotonic()
-        host = ctx.host()  # load the model first: a model that cannot load is an error, not a job
-        has_template = bool(getattr(host.tokenizer, "chat_template", None))
-        if on_loaded is not None:
-            on_loaded(time.monotonic() - loading, has_template)
-        options = dict(submit_options or {})
-        if options.get("chat") is None:
-            options["chat"] = has_template
-        elif options["chat"] and not has_template:
-            raise ValueError(
-                f"--chat: model {model} has no chat template; run it with --no-chat, or leave chat to auto"
-            )
+        options = _load_model(ctx, model, submit_options, on_loading, on_loaded)
         created: list[str] = []
         try:
             job = client.submit(
@@ -137,6 +116,44 @@ def run_job(
         if ctx is not None:
             ctx.close()
         client.close()
+
+
+def _check_before_loading(
+    settings: Settings, source: InputSource, input_format: str | None, submit_options: dict[str, Any] | None
+) -> None:
+    """Bad options, and an input whose start shows it cannot be a job (a CSV header without a
+    prompt column), are named before the model loads (seconds to minutes)."""
+    if isinstance(source, (str, os.PathLike)) and not Path(source).expanduser().is_file():
+        raise FileNotFoundError(f"input file {str(source)!r} does not exist or is not a file")
+    request_options = RequestOptions.from_fields(**(submit_options or {}))
+    request_options.check(settings.input_limits())
+    if isinstance(source, (str, os.PathLike)):
+        fmt = InputFormat(input_format) if input_format is not None else None
+        check_input_start(Path(source).expanduser(), settings.input_limits(), fmt, request_options)
+
+
+def _load_model(
+    ctx: WorkerContext,
+    model: str,
+    submit_options: dict[str, Any] | None,
+    on_loading: Callable[[], None] | None,
+    on_loaded: Callable[[float, bool], None] | None,
+) -> dict[str, Any]:
+    """Load the model first (a model that cannot load is an error, not a job); the submit
+    options with ``chat`` decided by its chat template when left to auto."""
+    if on_loading is not None:
+        on_loading()
+    loading = time.monotonic()
+    host = ctx.host()
+    has_template = bool(getattr(host.tokenizer, "chat_template", None))
+    if on_loaded is not None:
+        on_loaded(time.monotonic() - loading, has_template)
+    options = dict(submit_options or {})
+    if options.get("chat") is None:
+        options["chat"] = has_template
+    elif options["chat"] and not has_template:
+        raise ValueError(f"--chat: model {model} has no chat template; run it with --no-chat, or leave chat to auto")
+    return options
 
 
 def _run_shards(

@@ -52,6 +52,43 @@ def _summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
+@dataclass
+class _Patience:
+    """One ``DependencyGate.call``'s waiting: its deadline (set when it first waits) and the
+    callbacks that end a wait early."""
+
+    what: str
+    patience: float
+    stop: Callable[[], bool] | None
+    give_up: Callable[[], bool] | None
+    deadline: float | None = None
+
+    def deadline_at(self) -> float:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.patience
+        return self.deadline
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop()
+
+    def stopping(self) -> bool:
+        return self.stopped() or (self.give_up is not None and self.give_up())
+
+    def check_give_up(self, dependency: str) -> None:
+        if self.give_up is not None and self.give_up():
+            raise DependencyUnavailable(dependency, f"{self.what}: {dependency} down and the worker is stopping")
+
+    def fault(self, dependency: str, exc: Exception) -> None:
+        """``fn`` failed for ``dependency``: ``DependencyUnavailable`` when the worker is stopping
+        or the patience is spent, else the call tries again."""
+        deadline = self.deadline_at()
+        self.check_give_up(dependency)
+        if time.monotonic() >= deadline:
+            raise DependencyUnavailable(
+                dependency, f"{self.what}: {dependency} still down after {self.patience:.0f} s: {_summary(exc)}"
+            ) from exc
+
+
 class DependencyGate:
     """``checks`` maps a dependency's name to a call that raises while it is unusable."""
 
@@ -111,25 +148,11 @@ class DependencyGate:
         ``patience`` seconds of waiting for a dependency: ``DependencyUnavailable``.
         ``stop()`` ends a wait early and ``fn`` runs at once (to notice why: a lost lease);
         ``give_up()`` ends it with ``DependencyUnavailable`` (the worker is stopping)."""
-        deadline: float | None = None
+        waiting = _Patience(what, patience, stop, give_up)
         pause = FIRST_PAUSE
-
-        def stopping() -> bool:
-            return (stop is not None and stop()) or (give_up is not None and give_up())
-
-        def check_give_up(dependency: str) -> None:
-            if give_up is not None and give_up():
-                raise DependencyUnavailable(dependency, f"{what}: {dependency} down and the worker is stopping")
-
         while True:
             if self.down():
-                if deadline is None:
-                    deadline = time.monotonic() + patience
-                if not self.wait(max(0.0, deadline - time.monotonic()), stopping):
-                    down = ", ".join(self.down()) or "a dependency"
-                    check_give_up(down)
-                    if not (stop is not None and stop()):
-                        raise DependencyUnavailable(down, f"{what}: {down} still down after {patience:.0f} s")
+                self._wait_for_gate(waiting)
             try:
                 return fn()
             except DependencyUnavailable:
@@ -138,18 +161,22 @@ class DependencyGate:
                 dependency = self.report(exc)
                 if dependency is None:
                     raise
-                if deadline is None:
-                    deadline = time.monotonic() + patience
-                check_give_up(dependency)
-                if time.monotonic() >= deadline:
-                    raise DependencyUnavailable(
-                        dependency, f"{what}: {dependency} still down after {patience:.0f} s: {_summary(exc)}"
-                    ) from exc
+                waiting.fault(dependency, exc)
                 log.debug("%s: %s down (%s); waiting for it", what, dependency, _summary(exc))
             # The gate may open at once (a blip, or a check that passes while this call still
             # fails): pause between this call's own tries too, so it never spins.
-            self._closed.wait(min(pause, max(0.0, deadline - time.monotonic())))
+            self._closed.wait(min(pause, max(0.0, waiting.deadline_at() - time.monotonic())))
             pause = min(pause * 2, self._backoff_max)
+
+    def _wait_for_gate(self, waiting: _Patience) -> None:
+        """Wait until no dependency is down; past the patience, ``DependencyUnavailable`` (unless
+        ``stop()`` ended the wait: then the call runs at once)."""
+        if self.wait(max(0.0, waiting.deadline_at() - time.monotonic()), waiting.stopping):
+            return
+        down = ", ".join(self.down()) or "a dependency"
+        waiting.check_give_up(down)
+        if not waiting.stopped():
+            raise DependencyUnavailable(down, f"{waiting.what}: {down} still down after {waiting.patience:.0f} s")
 
     def close(self) -> None:
         """Stop the background checks (the process is shutting down)."""

@@ -56,7 +56,7 @@ from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.execution.context import WorkerContext
 from conveyor.worker.execution.dependency_gate import DependencyUnavailable
 from conveyor.worker.execution.embedding_records import embedding_record
-from conveyor.worker.execution.engine_host import Completion, RequestHandle
+from conveyor.worker.execution.engine_host import Completion, EngineHost, RequestHandle
 from conveyor.worker.execution.item_records import (
     ItemContext,
     completion_record,
@@ -425,8 +425,37 @@ class ShardRunner:
         s = ctx.settings
         finished: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         host = ctx.host()
+        self._submit_items(requests, order, host, finished)
+        pieces = TokenPieces(host.tokenizer)
+        decode = _decode(host.tokenizer)
+        next_poll = time.monotonic() + s.cancel_poll_seconds
+        drain_deadline: float | None = None
+        while self._handles:
+            self._store_finished(finished, pieces, decode)
+            if keeper.lost.is_set():
+                raise LeaseLost(f"lease on shard {self.index} of job {self.job_id} was lost")
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + s.cancel_poll_seconds
+                aborted_until = self._poll_job(order, host)
+                if aborted_until is not None:
+                    drain_deadline = aborted_until
+            if not self._handing_back and not self._cancelled and (self._yielding or ctx.state.hand_back_due()):
+                drain_deadline = self._hand_back_items(host)
+            if drain_deadline is not None and time.monotonic() > drain_deadline:
+                log.warning("%s: %d aborted items never came back", self.name, len(self._handles))
+                break
+        self._buffer.flush()
+        if self._handing_back:
+            raise HandBack()
+        return self._cancelled
+
+    def _submit_items(
+        self, requests: list[ParsedRequest], order: _Order, host: EngineHost, finished: queue.SimpleQueue[RequestHandle]
+    ) -> None:
+        """Each request into the engine (its handle kept until it finishes); one that cannot
+        become an engine request is its item's error."""
         chat_template = bool(getattr(host.tokenizer, "chat_template", None))
-        reasoning = self._reasoning = reasoning_of(host, s)
+        reasoning = self._reasoning = reasoning_of(host, self.ctx.settings)
         self._handles = {}
         for req in requests:
             try:
@@ -447,62 +476,60 @@ class ShardRunner:
                 owner=order.owner,
             )
             self._handles[handle.request_id] = handle
-        pieces = TokenPieces(host.tokenizer)
-        decode = _decode(host.tokenizer)
-        next_poll = time.monotonic() + s.cancel_poll_seconds
-        drain_deadline: float | None = None
-        while self._handles:
-            try:
-                finished_handle: RequestHandle | None = finished.get(
-                    timeout=min(s.item_commit_interval_seconds, s.cancel_poll_seconds)
-                )
-            except queue.Empty:
-                finished_handle = None
-            if finished_handle is not None and self._handles.pop(finished_handle.request_id, None) is not None:
-                record = self._record(finished_handle, pieces, decode)
-                if record is not None:
-                    self._buffer.add(record)
-            if self._buffer.due():
-                self._flush_through_outages()
-            if keeper.lost.is_set():
-                raise LeaseLost(f"lease on shard {self.index} of job {self.job_id} was lost")
-            if time.monotonic() >= next_poll:
-                next_poll = time.monotonic() + s.cancel_poll_seconds
-                if not self._cancelled and self._job_stopping():
-                    log.info(
-                        "job %s cancelled: withdrawing the items of shard %d not yet running, of %d left",
-                        self.job_id,
-                        self.index,
-                        len(self._handles),
-                    )
-                    self._cancelled = True
-                    if ctx.abort_running_on_cancel:
-                        self._abort_all()
-                        drain_deadline = time.monotonic() + DRAIN_SECONDS
-                    # Those the engine runs finish and are kept; the rest come back aborted.
-                    for handle in self._handles.values():
-                        host.withdraw(handle)
-                if not self._handing_back and not self._cancelled and self._place_owed(order.owner):
-                    log.info(
-                        "%s: owner holds every place while another owner's work waits: handing back %d items",
-                        self.name,
-                        len(self._handles),
-                    )
-                    self._yielding = True
-            if not self._handing_back and not self._cancelled and (self._yielding or ctx.state.hand_back_due()):
-                if not self._yielding:
-                    log.info("%s: the worker is stopping: aborting its %d running items", self.name, len(self._handles))
-                self._handing_back = True
-                for handle in self._handles.values():  # kept: those that finished first still come back
-                    host.abort(handle)
-                drain_deadline = time.monotonic() + HAND_BACK_WAIT_SECONDS
-            if drain_deadline is not None and time.monotonic() > drain_deadline:
-                log.warning("%s: %d aborted items never came back", self.name, len(self._handles))
-                break
-        self._buffer.flush()
-        if self._handing_back:
-            raise HandBack()
-        return self._cancelled
+
+    def _store_finished(self, finished: queue.SimpleQueue[RequestHandle], pieces: TokenPieces, decode: Any) -> None:
+        """Wait a little for an item to finish and buffer its record; store the buffer when due."""
+        s = self.ctx.settings
+        try:
+            handle: RequestHandle | None = finished.get(
+                timeout=min(s.item_commit_interval_seconds, s.cancel_poll_seconds)
+            )
+        except queue.Empty:
+            handle = None
+        if handle is not None and self._handles.pop(handle.request_id, None) is not None:
+            record = self._record(handle, pieces, decode)
+            if record is not None:
+                self._buffer.add(record)
+        if self._buffer.due():
+            self._flush_through_outages()
+
+    def _poll_job(self, order: _Order, host: EngineHost) -> float | None:
+        """Look for a cancel of the job (withdraw what is not running yet; with
+        ``abort_running_on_cancel``, abort the rest: the time to wait for them is returned), and
+        for another owner owed a place (then this shard yields)."""
+        drain_deadline = None
+        if not self._cancelled and self._job_stopping():
+            log.info(
+                "job %s cancelled: withdrawing the items of shard %d not yet running, of %d left",
+                self.job_id,
+                self.index,
+                len(self._handles),
+            )
+            self._cancelled = True
+            if self.ctx.abort_running_on_cancel:
+                self._abort_all()
+                drain_deadline = time.monotonic() + DRAIN_SECONDS
+            # Those the engine runs finish and are kept; the rest come back aborted.
+            for handle in self._handles.values():
+                host.withdraw(handle)
+        if not self._handing_back and not self._cancelled and self._place_owed(order.owner):
+            log.info(
+                "%s: owner holds every place while another owner's work waits: handing back %d items",
+                self.name,
+                len(self._handles),
+            )
+            self._yielding = True
+        return drain_deadline
+
+    def _hand_back_items(self, host: EngineHost) -> float:
+        """Abort every running item (the worker is stopping, or this shard yields its place);
+        the time to wait for them to come back."""
+        if not self._yielding:
+            log.info("%s: the worker is stopping: aborting its %d running items", self.name, len(self._handles))
+        self._handing_back = True
+        for handle in self._handles.values():  # kept: those that finished first still come back
+            host.abort(handle)
+        return time.monotonic() + HAND_BACK_WAIT_SECONDS
 
     def _flush_through_outages(self) -> None:
         """Store finished items; while the database is down keep them and the engine going."""
