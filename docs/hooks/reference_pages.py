@@ -134,8 +134,9 @@ def settings_page() -> str:
     missing = [name for name in cls.model_fields if name not in comments]
     if missing:
         raise ReferenceError(
-            "conveyor/worker/core/setting_groups/: every setting needs a one-line comment directly above it (the "
-            f"settings reference is built from them); none for: {', '.join(missing)}"
+            "conveyor/worker/core/setting_groups/: every setting is a field of a group class there, with a one-line "
+            "comment directly above it (the settings reference is built from them; a field declared on Settings "
+            f"itself has no row); none for: {', '.join(missing)}"
         )
     sections = []
     for group in groups:
