@@ -1,5 +1,6 @@
 """Where a webhook may be delivered: the URL's host resolved, every address it resolves to
-public (global unicast), and the connection pinned to one of the checked addresses so that a
+public (global unicast), and the connection made to the checked addresses only (the next one
+when one cannot be reached), so that a
 second DNS answer cannot send it elsewhere (DNS rebinding).
 
 Refused: private (10/8, 172.16/12, 192.168/16, fc00::/7), loopback (unless loopback is allowed
@@ -26,7 +27,7 @@ class DestinationRefused(ValueError):
 @dataclass(frozen=True)
 class Destination:
     url: WebhookUrl
-    address: str  # the checked address the connection goes to
+    addresses: tuple[str, ...]  # the checked addresses, one of which the connection goes to
 
 
 def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
@@ -35,13 +36,15 @@ def address_problem(address: IPAddress, *, allow_loopback: bool) -> str | None:
     address = mapped or address
     if address.is_loopback:
         return None if allow_loopback else "a loopback address"
+    if address.is_unspecified:
+        return "an unspecified address"
     if address.is_link_local:
         return "a link-local address"
     if address.is_private:
         return "a private address"
     if address.is_multicast:
         return "a multicast address"
-    if address.is_unspecified or address.is_reserved or not address.is_global:
+    if address.is_reserved or not address.is_global:
         return "not a public address"
     return None
 
@@ -60,7 +63,7 @@ def resolve(url: WebhookUrl, *, allow_loopback: bool) -> Destination:
         problem = address_problem(ipaddress.ip_address(text.split("%", 1)[0]), allow_loopback=allow_loopback)
         if problem is not None:
             raise DestinationRefused(f"the webhook host {url.host!r} resolves to {text}, {problem}: refused")
-    return Destination(url, addresses[0])
+    return Destination(url, tuple(addresses))
 
 
 def check_destination(raw: str, *, allow_loopback: bool) -> Destination:
