@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import openai
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from openai.types.webhooks import (
+    BatchCancelledWebhookEvent,
+    BatchCompletedWebhookEvent,
+    BatchExpiredWebhookEvent,
+    BatchFailedWebhookEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -121,3 +128,20 @@ def receiver(tmp_path) -> Iterator[Receiver]:
     r = Receiver(tmp_path)
     yield r
     r.close()
+
+
+BatchEvent = (
+    BatchCompletedWebhookEvent | BatchFailedWebhookEvent | BatchCancelledWebhookEvent | BatchExpiredWebhookEvent
+)
+
+
+def unwrap_batch_event(received: Received, secret: str) -> BatchEvent:
+    """The delivery as the ``openai`` SDK reads it: ``unwrap`` raises unless the signature
+    verifies under ``secret``; the event must be one of the four batch events."""
+    sdk = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1", webhook_secret=secret)
+    event = sdk.webhooks.unwrap(received.body, received.headers)
+    assert isinstance(
+        event,
+        (BatchCompletedWebhookEvent, BatchFailedWebhookEvent, BatchCancelledWebhookEvent, BatchExpiredWebhookEvent),
+    ), event
+    return event

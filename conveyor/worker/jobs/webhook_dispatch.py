@@ -384,12 +384,3 @@ def recent_deliveries(
     with db.connect() as conn:
         rows = conn.execute(stmt).all()
     return [{**row._asdict(), "status": WebhookDeliveryStatus(row.status).value} for row in rows]
-
-
-def delivery_counts(db: Engine) -> dict[str, int]:
-    """Deliveries by status (the metrics gauge)."""
-    with db.connect() as conn:
-        rows = conn.execute(select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)).all()
-    counts = {s.value: 0 for s in WebhookDeliveryStatus}
-    counts.update({WebhookDeliveryStatus(s).value: int(n) for s, n in rows})
-    return counts
