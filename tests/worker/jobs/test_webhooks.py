@@ -10,8 +10,10 @@ import json
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from sqlalchemy import select, update
 
 from conveyor.worker.core.webhook_signing import new_secret
@@ -22,6 +24,7 @@ from conveyor.worker.jobs.webhook_events import EVENT_TYPES
 from conveyor.worker.metrics.db_collector import read_counts
 from conveyor.worker.store.database import create_db_engine, make_sessionmaker
 from conveyor.worker.store.models import WebhookDelivery, WebhookDeliveryStatus, WebhookEvent
+from conveyor.worker.store.schema import upgrade_database
 from tests.worker.helpers import PYTHON, REPO, jsonl, openai_lines
 from tests.worker.webhook_receiver import Receiver, unwrap_batch_event
 
@@ -230,3 +233,30 @@ def test_nothing_is_sent_without_endpoints(embedded_stack) -> None:
             assert conn.execute(select(WebhookDelivery.id)).all() == []
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_two_dispatchers_at_once_deliver_each_event_once(embedded_stack, receiver, request, database: str) -> None:
+    """Every process runs a dispatcher: fan-out and claims are shared safely (``SKIP LOCKED``
+    and a compare-and-set on the lease on PostgreSQL, the lease alone on SQLite)."""
+    values = {}
+    if database == "postgres":
+        values["database_url"] = request.getfixturevalue("pg_url")
+        upgrade_database(values["database_url"])
+    stack = _stack(embedded_stack, receiver, "/ops", **values)
+    client = Client(stack.settings)
+    other_db = create_db_engine(stack.settings.database)
+    dispatchers = [WebhookDispatcher(client.db, stack.settings), WebhookDispatcher(other_db, stack.settings)]
+    try:
+        ids = [_cancelled_job(client, stack.model) for _ in range(6)]
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(3):
+                list(pool.map(lambda d: d.run_once(), dispatchers))
+        assert all(d.drain(20) for d in dispatchers)
+    finally:
+        for d in dispatchers:
+            d.close()
+        other_db.dispose()
+        client.close()
+    delivered = [json.loads(r.body)["data"]["id"] for r in receiver.at("/ops")]
+    assert sorted(delivered) == sorted(ids)
