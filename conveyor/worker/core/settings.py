@@ -487,6 +487,7 @@ class Settings(BaseSettings):
             data[name] = redact_url(data[name])
         for name in _SECRET_FIELDS:
             data[name] = "***" if data[name] else data[name]
+        data["webhook_urls"] = [redact_url(url) for url in self.webhook_urls]  # a token may ride in a query
         data["resolved"] = {
             "database": redact_url(self.database),
             "broker": redact_url(self.broker),
@@ -498,6 +499,8 @@ class Settings(BaseSettings):
         for name, value in super().__repr_args__():
             if name in _SECRET_FIELDS and value:
                 value = "***"
+            if name == "webhook_urls":
+                value = tuple(redact_url(url) for url in value)
             yield name, (redact_url(value) if name in _URL_FIELDS else value)
 
 

@@ -59,6 +59,8 @@ def test_operator_settings_are_checked_when_read(monkeypatch: pytest.MonkeyPatch
     settings = read_settings(webhook_urls="https://a.example/x, https://b.example/y", webhook_secret=secret)
     assert settings.webhook_urls == ("https://a.example/x", "https://b.example/y")
     assert secret not in repr(settings) and settings.safe_dict()["webhook_secret"] == "***"
+    tokened = read_settings(webhook_urls="https://a.example/x?token=s3cret", webhook_secret=secret)
+    assert "s3cret" not in repr(tokened) and "s3cret" not in str(tokened.safe_dict())
     monkeypatch.setenv("CONVEYOR_WEBHOOK_URLS", "https://a.example/x,https://b.example/y")
     monkeypatch.setenv("CONVEYOR_WEBHOOK_SECRET", secret)
     assert read_settings().webhook_urls == ("https://a.example/x", "https://b.example/y")
