@@ -86,6 +86,11 @@ def _missing(exc: EndpointNotFound) -> ApiError:
 
 
 def _create(services: ApiServices, owner: str | None, req: EndpointCreate) -> dict[str, Any]:
+    if owner is None:
+        raise bad_request(
+            "This server takes no API keys (--insecure-no-auth): its webhooks are the operator's, "
+            "CONVEYOR_WEBHOOK_URLS."
+        )
     s = services.settings
     try:
         return create_endpoint(

@@ -260,3 +260,24 @@ def test_two_dispatchers_at_once_deliver_each_event_once(embedded_stack, receive
         client.close()
     delivered = [json.loads(r.body)["data"]["id"] for r in receiver.at("/ops")]
     assert sorted(delivered) == sorted(ids)
+
+
+def test_a_delivery_still_failing_at_the_maximum_age_is_marked_failed(embedded_stack, receiver) -> None:
+    """Retries stop at ``CONVEYOR_WEBHOOK_MAX_AGE_SECONDS`` after the event (24 h by default;
+    3 s here): the delivery is ``failed`` with the receiver's last answer."""
+    stack = _stack(embedded_stack, receiver, "/down", webhook_max_age_seconds=3)
+    receiver.script["/down"] = [500] * 100
+    client = Client(stack.settings)
+    try:
+        _cancelled_job(client, stack.model)
+        dispatcher = WebhookDispatcher(client.db, stack.settings)
+        assert dispatcher.drain(20)  # nothing left pending: given up
+        dispatcher.close()
+        with make_sessionmaker(client.db)() as session:
+            row = session.scalars(select(WebhookDelivery)).one()
+    finally:
+        client.close()
+    tries = receiver.at("/down")
+    assert 2 <= len(tries) <= 3 and len({t.headers["webhook-id"] for t in tries}) == 1  # at about 0, 1 and 3 s
+    assert (row.status, row.attempts, row.last_status_code) == (WebhookDeliveryStatus.failed, len(tries), 500)
+    assert row.last_error == "HTTP 500: ok"
