@@ -14,6 +14,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
+from conveyor.worker.core.webhook_signing import new_secret
 from conveyor.worker.store.database import create_db_engine
 from conveyor.worker.store.models import WebhookDelivery, WorkerState
 from conveyor.worker.store.workers import register_worker, set_worker_state
@@ -137,3 +138,31 @@ def test_the_issue_path_rotation_and_deletion(api, receiver: Receiver) -> None:
     with pytest.raises(openai.NotFoundError):
         client.webhooks.retrieve(endpoint["id"])
     assert again.signing_secret != rotated.signing_secret
+
+
+def test_a_batch_a_worker_runs_reaches_the_operator_and_its_owner_once(embedded_stack, serve, spawn_worker,
+                                                                       receiver: Receiver) -> None:  # fmt: skip
+    """Through a worker process: it finalises the batch (the event written there) and, like
+    the API server, dispatches; each endpoint gets ``batch.completed`` once."""
+    secret = new_secret()
+    stack = embedded_stack.with_values(
+        webhook_urls=receiver.url("/operator"), webhook_secret=secret, webhook_allow_loopback=True,
+        webhook_ca_bundle=str(receiver.cert), webhook_poll_seconds=0.2,
+    )  # fmt: skip
+    worker = spawn_worker(stack, served_model_name=MODEL)
+    server = serve(stack)
+    client = server.client(server.new_key("erin"))
+    mine = client.webhooks.create(url=receiver.url("/erin"), event_types=["batch.completed"], name="erin")
+    worker.wait_ready()
+    batch = client.batches.create(
+        input_file_id=upload(client, batch_lines(2)), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert wait_batch(client, batch.id).status == "completed"
+    (to_operator,) = receiver.wait_for("/operator")
+    (to_owner,) = receiver.wait_for("/erin")
+    assert unwrap_batch_event(to_operator, secret).data.id == batch.id
+    owner_event = unwrap_batch_event(to_owner, mine.signing_secret)
+    assert owner_event.type == "batch.completed" and owner_event.data.id == batch.id
+    assert to_operator.headers["webhook-id"] == to_owner.headers["webhook-id"]  # one event, two endpoints
+    time.sleep(1.0)
+    assert len(receiver.at("/operator")) == len(receiver.at("/erin")) == 1
