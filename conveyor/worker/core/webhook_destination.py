@@ -24,6 +24,11 @@ class DestinationRefused(ValueError):
     """A webhook destination that is not allowed (the message says why)."""
 
 
+class HostNotResolved(DestinationRefused):
+    """The host did not resolve (now): refused when registered, retried when delivering, as
+    a DNS outage passes."""
+
+
 @dataclass(frozen=True)
 class Destination:
     url: WebhookUrl
@@ -55,10 +60,10 @@ def resolve(url: WebhookUrl, *, allow_loopback: bool) -> Destination:
     try:
         infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise DestinationRefused(f"the webhook host {url.host!r} does not resolve: {exc}") from None
+        raise HostNotResolved(f"the webhook host {url.host!r} does not resolve: {exc}") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if not addresses:
-        raise DestinationRefused(f"the webhook host {url.host!r} has no address")
+        raise HostNotResolved(f"the webhook host {url.host!r} has no address")
     for text in addresses:
         problem = address_problem(ipaddress.ip_address(text.split("%", 1)[0]), allow_loopback=allow_loopback)
         if problem is not None:

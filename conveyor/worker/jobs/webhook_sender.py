@@ -7,7 +7,8 @@ changes between the check and the connection cannot redirect it. Redirects are n
 a 3xx is a failed attempt naming its ``Location`` (a receiver registers its final URL), which
 also means no redirect can lead to a private address. Connect and read each have a timeout,
 the whole reply must come within twice the timeout, and at most 64 KiB of it is read. A 2xx
-answer delivers; a refused destination fails for good; anything else is retried.
+answer delivers; a refused destination fails for good (a name that does not resolve is retried);
+anything else is retried.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import urllib3
 
 from conveyor.worker.core.storable_text import storable
-from conveyor.worker.core.webhook_destination import DestinationRefused, check_destination
+from conveyor.worker.core.webhook_destination import DestinationRefused, HostNotResolved, check_destination
 from conveyor.worker.core.webhook_urls import WebhookUrl
 
 MAX_REPLY_BYTES = 64 * 1024
@@ -47,8 +48,8 @@ def post_event(
     """POST ``body`` to ``url`` once; never raises for what the destination does."""
     try:
         dest = check_destination(url, allow_loopback=allow_loopback)
-    except DestinationRefused as exc:
-        return AttemptResult(False, error=str(exc), permanent=True)
+    except DestinationRefused as exc:  # for good, unless the name did not resolve (a DNS outage passes)
+        return AttemptResult(False, error=str(exc), permanent=not isinstance(exc, HostNotResolved))
     target = dest.url
     default_port = 443 if target.scheme == "https" else 80
     host_header = target.host if target.port == default_port else f"{target.host}:{target.port}"

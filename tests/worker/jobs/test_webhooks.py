@@ -168,12 +168,13 @@ def test_private_and_redirecting_destinations_are_refused(embedded_stack, receiv
     redirects (here to a private address) is not followed. Both show in ``conveyor webhooks``
     and in the metrics' delivery counts."""
     receiver.redirects["/moved"] = "https://10.1.2.3/steal"
-    stack = _stack(embedded_stack, receiver, "/moved", "https://10.0.0.7/hook", "https://169.254.169.254/x")
+    unresolved = "https://no-such-host.invalid/hook"  # retried: a DNS outage passes
+    stack = _stack(embedded_stack, receiver, "/moved", "https://10.0.0.7/hook", "https://169.254.169.254/x", unresolved)
     client = Client(stack.settings)
     try:
         _cancelled_job(client, stack.model)
         dispatcher = WebhookDispatcher(client.db, stack.settings)
-        assert dispatcher.run_once() == 3
+        assert dispatcher.run_once() == 4
         dispatcher.close()
         with make_sessionmaker(client.db)() as session:
             rows = {r.url: r for r in session.scalars(select(WebhookDelivery))}
@@ -187,7 +188,9 @@ def test_private_and_redirecting_destinations_are_refused(embedded_stack, receiv
     private, metadata = rows["https://10.0.0.7/hook"], rows["https://169.254.169.254/x"]
     assert private.status is WebhookDeliveryStatus.failed and "10.0.0.7, a private address" in str(private.last_error)
     assert metadata.status is WebhookDeliveryStatus.failed and "a link-local address" in str(metadata.last_error)
-    assert counts == {"pending": 1, "failed": 2}
+    assert rows[unresolved].status is WebhookDeliveryStatus.pending
+    assert "'no-such-host.invalid' does not resolve" in str(rows[unresolved].last_error)
+    assert counts == {"pending": 2, "failed": 2}
 
     env(stack)
     capsys.readouterr()
@@ -197,7 +200,7 @@ def test_private_and_redirecting_destinations_are_refused(embedded_stack, receiv
     assert any("https://10.0.0.7/hook" in line and "a private address" in line for line in out)
     assert cli.main(["webhooks", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert sorted(r["status"] for r in listed) == ["failed", "failed", "pending"]
+    assert sorted(r["status"] for r in listed) == ["failed", "failed", "pending", "pending"]
 
 
 def test_conveyor_run_delivers_its_job_end_before_it_exits(embedded_stack, receiver, tmp_path) -> None:
