@@ -20,6 +20,7 @@ from conveyor.worker.api.auth import Caller
 from conveyor.worker.api.batch_create import read_json_body
 from conveyor.worker.api.errors import ApiError, bad_request, not_found, validation_error
 from conveyor.worker.api.services import ApiServices, Services
+from conveyor.worker.core.storable_text import UnstorableText
 from conveyor.worker.core.webhook_destination import DestinationRefused
 from conveyor.worker.jobs.webhook_endpoints import (
     MAX_LIST_LIMIT,
@@ -74,6 +75,8 @@ async def _body(request: Request, services: ApiServices, model: type[M]) -> M:
 
 
 def _refusal(exc: ValueError, param: str) -> ApiError:
+    if isinstance(exc, UnstorableText):
+        return bad_request(str(exc), param=exc.field, code="invalid_value")
     if isinstance(exc, TooManyEndpoints):
         return bad_request(str(exc), code="too_many_webhook_endpoints")
     if isinstance(exc, DestinationRefused):

@@ -12,6 +12,7 @@ and deletes only its own endpoints (another's are "not found"), and has at most
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.engine import Engine
 
+from conveyor.worker.core.storable_text import check_storable
 from conveyor.worker.core.webhook_destination import check_destination
 from conveyor.worker.core.webhook_signing import new_secret, secret_hint
 from conveyor.worker.jobs.webhook_events import EVENT_TYPES
@@ -30,6 +32,7 @@ MAX_NAME_CHARS = 128
 MAX_LIST_LIMIT = 100
 ROTATION_GRACE_SECONDS = 86_400.0
 ID_PREFIX = "we_"
+ENDPOINT_ID = re.compile(r"we_[0-9a-f]{32}")
 
 
 class EndpointNotFound(LookupError):
@@ -70,7 +73,14 @@ def check_event_types(value: Any) -> list[str]:
 def check_name(value: Any) -> str:
     if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
         raise ValueError(f"name must be a string of at most {MAX_NAME_CHARS} characters")
+    check_storable(value, "name")
     return value
+
+
+def check_url(url: str, *, allow_loopback: bool) -> None:
+    """``url`` storable, and where it resolves to allowed (``DestinationRefused`` otherwise)."""
+    check_storable(url, "url")
+    check_destination(url, allow_loopback=allow_loopback)
 
 
 def create_endpoint(
@@ -87,7 +97,7 @@ def create_endpoint(
     if owner is None:
         raise ValueError("webhook endpoints belong to an API key; a server without keys has the operator's only")
     types, name = check_event_types(list(event_types)), check_name(name)
-    check_destination(url, allow_loopback=allow_loopback)
+    check_url(url, allow_loopback=allow_loopback)
     secret, t = new_secret(), now()
     row = WebhookEndpoint(
         id=f"{ID_PREFIX}{uuid.uuid4().hex}", owner=owner, name=name, url=url, event_types=types, secret=secret,
@@ -107,12 +117,14 @@ def create_endpoint(
 
 
 def _load(db: Engine, owner: str | None, endpoint_id: str) -> WebhookEndpoint:
+    if owner is None or not ENDPOINT_ID.fullmatch(endpoint_id):  # (nothing unstorable reaches the query)
+        raise EndpointNotFound(f"No webhook endpoint found with id {endpoint_id[:64]!r}.")
     with db.connect() as conn:
         row = conn.execute(
             select(WebhookEndpoint).where(WebhookEndpoint.id == endpoint_id, WebhookEndpoint.owner == owner)
         ).one_or_none()
-    if row is None or owner is None:
-        raise EndpointNotFound(f"No webhook endpoint found with id '{endpoint_id[:64]}'.")
+    if row is None:
+        raise EndpointNotFound(f"No webhook endpoint found with id {endpoint_id[:64]!r}.")
     return WebhookEndpoint(**row._mapping)
 
 
@@ -163,7 +175,7 @@ def update_endpoint(
     row = _load(db, owner, endpoint_id)
     values: dict[str, Any] = {}
     if url is not None and url != row.url:
-        check_destination(url, allow_loopback=allow_loopback)
+        check_url(url, allow_loopback=allow_loopback)
         values["url"] = url
     if event_types is not None:
         types = check_event_types(list(event_types))
