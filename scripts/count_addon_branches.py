@@ -13,8 +13,8 @@ below; ``spec`` as an attribute (``self.spec``, the model's ``ModelSpec`` on old
 and ``model_spec`` do not count as speculative decoding. A branch is counted once, for the
 first add-on it matches, in the order below.
 
-The core files: ``conveyor/engine/scheduler.py``, ``conveyor/engine/llm_engine.py``, ``conveyor/engine/model_runner.py``
-and, where it exists, ``conveyor/engine/batch.py`` (the batch builder split out of the runner). The
+The core files: ``conveyor/engine/core/scheduler.py``, ``conveyor/engine/core/llm_engine.py``,
+``conveyor/engine/model_runner.py`` and, where it exists, ``conveyor/engine/batch.py`` (the batch builder split out of the runner). The
 modules where add-ons plug in (``conveyor/engine/executors.py``, the row hooks, ``conveyor/engine/spec_decode``,
 the waiting queues) are the seams, not the core; ``--seams`` counts ``conveyor/engine/executors.py``
 too, for reference.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("engine/scheduler.py", "engine/llm_engine.py", "engine/model_runner.py", "engine/batch.py")
+CORE = ("engine/core/scheduler.py", "engine/core/llm_engine.py", "engine/model_runner.py", "engine/batch.py")
 SEAMS = ("engine/executors.py",)
 WORKTREE = "WORKTREE"
 

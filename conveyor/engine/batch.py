@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler_output import SchedulerOutput
-from conveyor.engine.step_result import StepResult
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.step_result import StepResult
 
 LogitsOf = Callable[[list[int]], torch.Tensor]
 

@@ -208,8 +208,8 @@ class ColdStartResult:
 def _child_main(spec_json: str) -> None:
     """In the fresh process: build the engine as a worker would and print the timings."""
     from conveyor.engine.config import EngineConfig
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.engine.startup import process_start_time
+    from conveyor.engine.core.llm_engine import LLMEngine
+    from conveyor.engine.core.startup import process_start_time
 
     engine = LLMEngine(EngineConfig(**json.loads(spec_json)))
     built_at = time.time()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.kernels.utils import cdiv
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core.llm_engine import LLMEngine, Prompt
 from conveyor.engine.errors import EngineDeadError
-from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams

@@ -24,6 +24,9 @@ from conveyor.engine.attention.selector import create_backend
 from conveyor.engine.attention.triton_backend import TritonAttention
 from conveyor.engine.batch import LogitsOf, RowHook, StepRows, build_batch
 from conveyor.engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_cache_torch_dtype
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.startup import StartupTimings, sync
+from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.cuda_graphs import DecodeGraphs, graphs_apply
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.leader import start_ranks
@@ -36,10 +39,7 @@ from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling import PoolingHook
 from conveyor.engine.prompt_logprobs import PromptLogprobsHook
 from conveyor.engine.sampler import Sampler
-from conveyor.engine.scheduler_output import SchedulerOutput
-from conveyor.engine.startup import StartupTimings, sync
 from conveyor.engine.state_cache import allocate_state, state_bytes_per_seq
-from conveyor.engine.step_result import StepResult
 from conveyor.kernels.utils import cdiv
 
 log = logging.getLogger(__name__)

@@ -19,14 +19,14 @@ import torch
 
 from conveyor.engine.batch import LogitsOf, RowPlan, StepRows
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling_config import PoolingConfig, ResolvedPooling, read_pooling_config
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.pooling_state import PoolingState
-from conveyor.engine.request import Request
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scoring import ScoreHead
-from conveyor.engine.step_result import StepResult
 
 
 def pool_vector(hidden: torch.Tensor, params: ResolvedPooling) -> torch.Tensor:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.engine.batch import LogitsOf, RowPlan
-from conveyor.engine.request import Request
-from conveyor.engine.step_result import StepResult
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.step_result import StepResult
 
 PromptEntries = list[dict[int, float] | None]
 

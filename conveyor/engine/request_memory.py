@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 
 class RequestMemory(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured_outputs import StructuredOutputManager
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from conveyor.engine.core.request import Request
 from conveyor.engine.kv_cache import KVBlock, KVCacheManager
-from conveyor.engine.request import Request
 from conveyor.engine.state_cache import LinearStateCache
 
 log = logging.getLogger(__name__)

@@ -254,7 +254,7 @@ class Constraint(Protocol):
 
 
 class Constrained(Protocol):
-    """What a batch row needs for masking (an ``conveyor.engine.request.Request``)."""
+    """What a batch row needs for masking (an ``conveyor.engine.core.request.Request``)."""
 
     grammar: Constraint | None
 

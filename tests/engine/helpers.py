@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.scheduler_output import SchedulerOutput
-from conveyor.engine.step_result import StepResult
 
 # Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
 # max_position_embeddings 512 over 128 makes the factor 4 (attention factor ~1.13).

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.sampler import Sampler
 from tests.engine.reference import assert_greedy_match
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.request_memory import RequestMemory
 
 

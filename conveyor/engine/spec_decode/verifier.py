@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.sampler import probabilities
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from conveyor.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from conveyor.engine.detokenizer import IncrementalDetokenizer
+    from conveyor.engine.core.detokenizer import IncrementalDetokenizer
     from conveyor.engine.pooling_state import PoolingState
     from conveyor.engine.structured_outputs import Constraint
 

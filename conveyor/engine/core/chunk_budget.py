@@ -31,10 +31,10 @@ import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 if TYPE_CHECKING:
-    from conveyor.engine.scheduler_output import SchedulerOutput
+    from conveyor.engine.core.scheduler_output import SchedulerOutput
 
 SHRINK = 0.7
 MAX_SHRINK = 0.25

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 
 @dataclass(slots=True)

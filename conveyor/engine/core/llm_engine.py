@@ -13,10 +13,13 @@ from typing import TypeVar
 import torch
 
 from conveyor.engine.attention.triton_backend import prepare_interpreter
-from conveyor.engine.chunk_budget import make_chunk_controller
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core.chunk_budget import make_chunk_controller
+from conveyor.engine.core.detokenizer import IncrementalDetokenizer
+from conveyor.engine.core.request import Request, RequestStatus
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.core.startup import StartupTimings, sync
 from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget
-from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.inputs.processor import InputProcessor, PreparedInput, Prompt
 from conveyor.engine.kv_cache import window_release
 from conveyor.engine.model_runner import ModelRunner
@@ -24,13 +27,10 @@ from conveyor.engine.models.bert import encoder_engine_config
 from conveyor.engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.pooling import embedding_support
-from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scoring import score_head
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
-from conveyor.engine.startup import StartupTimings, sync
 from conveyor.engine.state_memory import make_request_memory
 from conveyor.engine.structured_outputs import StructuredOutputManager
 from conveyor.engine.thinking import gate_for
@@ -72,7 +72,7 @@ def _snapshot(entries: list[T] | None) -> list[T] | None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        # How long each phase of this start took (``conveyor.engine.startup``): a worker reports it.
+        # How long each phase of this start took (``conveyor.engine.core.startup``): a worker reports it.
         self.startup = startup = StartupTimings(started_at=time.time())
         begin = time.perf_counter()
         self.config = config

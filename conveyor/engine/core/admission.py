@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from conveyor.engine.output_length import OutputLengthEstimator
-from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.core.output_length import OutputLengthEstimator
+from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.request_memory import RequestMemory
 
 # The future steps at which the expected occupancy is checked, spread evenly up to the

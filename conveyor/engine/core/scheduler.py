@@ -6,10 +6,10 @@ blocks allow. When a running request cannot get a block, the request at the tail
 running list (the newest; under ``priority`` and ``edf`` the last in the policy's order) is
 preempted: its blocks are freed and it goes back to the queue (to its front under ``fcfs``,
 ``prefix`` and ``srpf``), to be recomputed later. Whether a waiting request may be admitted
-beyond the free blocks is ``conveyor.engine.admission``'s call; with an inter-token latency target, the
-prefill tokens of a step (never its decodes) are limited by ``conveyor.engine.chunk_budget``.
+beyond the free blocks is ``conveyor.engine.core.admission``'s call; with an inter-token latency target, the
+prefill tokens of a step (never its decodes) are limited by ``conveyor.engine.core.chunk_budget``.
 
-The waiting queue's order is the scheduling policy's (``conveyor.engine.waiting_queues``).
+The waiting queue's order is the scheduling policy's (``conveyor.engine.core.waiting_queues``).
 
 After the step runs, ``update_from_output`` is the one place that moves requests on: it
 advances their computed tokens, appends what they produced (rolling back rejected
@@ -29,14 +29,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from conveyor.engine.admission import make_admission
-from conveyor.engine.chunk_budget import PrefillChunkController, UnlimitedPrefill, is_prefill
-from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.core.admission import make_admission
+from conveyor.engine.core.chunk_budget import PrefillChunkController, UnlimitedPrefill, is_prefill
+from conveyor.engine.core.request import Request, RequestStatus
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.step_result import StepResult
+from conveyor.engine.core.waiting_queues import SRPF_AGING_STEPS, WaitingQueue, make_waiting_queue
 from conveyor.engine.request_memory import RequestMemory
-from conveyor.engine.scheduler_output import SchedulerOutput
 from conveyor.engine.spec_decode.lookahead import grant_lookahead
-from conveyor.engine.step_result import StepResult
-from conveyor.engine.waiting_queues import SRPF_AGING_STEPS, WaitingQueue, make_waiting_queue
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.counters = StepCounters()
         self._watermark_blocks = max(1, int(kv.num_blocks * ADMISSION_WATERMARK))
-        # Whether one more request may be admitted beyond the watermark (``conveyor.engine.admission``).
+        # Whether one more request may be admitted beyond the watermark (``conveyor.engine.core.admission``).
         self.admission = make_admission(admission, kv)
-        # When set, it limits the prefill tokens of each step (``conveyor.engine.chunk_budget``).
+        # When set, it limits the prefill tokens of each step (``conveyor.engine.core.chunk_budget``).
         self.chunk_controller = chunk_controller
         self._prefill_budget = chunk_controller or UnlimitedPrefill(max_num_batched_tokens)
 

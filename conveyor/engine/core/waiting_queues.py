@@ -20,7 +20,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.request_memory import RequestMemory
 
 # The prefix-aware policy reorders at most this many requests at the head of the queue per
