@@ -32,6 +32,7 @@ from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.leader import start_ranks
 from conveyor.engine.distributed.step_inputs import StepInputs
 from conveyor.engine.executors import Executor, choose_executor
+from conveyor.engine.memory.state_cache import allocate_state, state_bytes_per_seq
 from conveyor.engine.models.kv_layout import KVLayout
 from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
 from conveyor.engine.models.loader import load_model
@@ -39,7 +40,6 @@ from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling import PoolingHook
 from conveyor.engine.prompt_logprobs import PromptLogprobsHook
 from conveyor.engine.sampler import Sampler
-from conveyor.engine.state_cache import allocate_state, state_bytes_per_seq
 from conveyor.kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class ModelRunner:
         self.kv_layout = KVLayout.for_model(spec, self.tp.world_size)
         self.num_kv_heads = self.kv_layout.heads
         # A hybrid model keeps K/V for its full-attention layers only (``ModelSpec.kv_cache_layers``),
-        # and a state slot per running request (``conveyor.engine.state_cache``, plus one for decode graphs'
+        # and a state slot per running request (``conveyor.engine.memory.state_cache``, plus one for decode graphs'
         # padding rows; with speculative decoding, its snapshots), reserved out of the same budget.
         num_snapshots = config.num_speculative_tokens
         self.state_bytes = (config.scheduler.max_num_seqs + 1) * state_bytes_per_seq(self.model, num_snapshots)

@@ -88,7 +88,7 @@ def assert_no_leaks(engine) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv._blocks and not engine._groups
     assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
-    state = getattr(kv, "state", None)  # a hybrid model's state slots (``conveyor.engine.state_memory``)
+    state = getattr(kv, "state", None)  # a hybrid model's state slots (``conveyor.engine.memory.state_memory``)
     if state is not None:
         assert kv.num_free_state_slots == state.num_slots, "state slots leaked"
         assert bool((state.slot_of_block == -1).all()), "a KV block still names a state slot"

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
 from conveyor.engine.core.request import Request
-from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from conveyor.kernels.utils import cdiv
 from tests.engine.helpers import assert_no_leaks, model_case
 from tests.engine.reference import assert_outputs_match

@@ -8,7 +8,7 @@ import pytest
 
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler import Scheduler
-from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import make_request, step_without_model
 
 

@@ -17,7 +17,7 @@ import torch
 from conveyor.engine import LLM, EngineConfig, SamplingParams, StructuredOutputs
 from conveyor.engine.core.request import Request
 from conveyor.engine.core.scheduler import Scheduler
-from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from conveyor.engine.spec_decode import verifier
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.ngram import ngram_proposal

@@ -26,7 +26,7 @@ import numpy as np
 
 from conveyor.engine.core.output_length import OutputLengthEstimator
 from conveyor.engine.core.request import Request, RequestStatus
-from conveyor.engine.request_memory import RequestMemory
+from conveyor.engine.memory.request_memory import RequestMemory
 
 # The future steps at which the expected occupancy is checked, spread evenly up to the
 # longest a running request may still grow.

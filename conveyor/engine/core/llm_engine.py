@@ -21,7 +21,8 @@ from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.startup import StartupTimings, sync
 from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget
 from conveyor.engine.inputs.processor import InputProcessor, PreparedInput, Prompt
-from conveyor.engine.kv_cache import window_release
+from conveyor.engine.memory.kv_cache import window_release
+from conveyor.engine.memory.state_memory import make_request_memory
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models.bert import encoder_engine_config
 from conveyor.engine.models.loader import load_spec, load_tokenizer, resolve_model_path
@@ -31,7 +32,6 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scoring import score_head
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
-from conveyor.engine.state_memory import make_request_memory
 from conveyor.engine.structured_outputs import StructuredOutputManager
 from conveyor.engine.thinking import gate_for
 from conveyor.engine.thread_tuner import ThreadTuner

@@ -35,7 +35,7 @@ from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler_output import SchedulerOutput
 from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.core.waiting_queues import SRPF_AGING_STEPS, WaitingQueue, make_waiting_queue
-from conveyor.engine.request_memory import RequestMemory
+from conveyor.engine.memory.request_memory import RequestMemory
 from conveyor.engine.spec_decode.lookahead import grant_lookahead
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from conveyor.engine.core.request import Request
-from conveyor.engine.request_memory import RequestMemory
+from conveyor.engine.memory.request_memory import RequestMemory
 
 # The prefix-aware policy reorders at most this many requests at the head of the queue per
 # step, so its cost stays bounded however many thousands are waiting.

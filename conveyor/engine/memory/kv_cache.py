@@ -168,7 +168,7 @@ class PrefixCacheStats:
 @dataclass
 class KVCacheManager:
     """Block tables per request on top of a ``BlockPool``: the paged K/V implementation of
-    ``conveyor.engine.request_memory.RequestMemory``."""
+    ``conveyor.engine.memory.request_memory.RequestMemory``."""
 
     num_blocks: int
     block_size: int

@@ -3,7 +3,7 @@ and the recurrent state, in fixed-size slots (one per running request), beside t
 cache of its full-attention layers.
 
 The runner allocates the slots (``allocate``) with the KV cache, out of the same memory budget;
-``conveyor.engine.state_memory.HybridMemory`` hands them to requests. A request's slot is found on the
+``conveyor.engine.memory.state_memory.HybridMemory`` hands them to requests. A request's slot is found on the
 device from its first KV block (``slot_of_block``), which no other running request shares
 (prefix caching is off for hybrid models), so the step's batch needs no new field: the model
 reads the slots from the block tables its attention backend already has.

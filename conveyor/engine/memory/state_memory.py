@@ -1,6 +1,6 @@
 """``HybridMemory``: the ``RequestMemory`` of a hybrid model (Qwen3.5): the paged K/V of its
 full-attention layers, and one state slot per running request for its linear-attention layers
-(``conveyor.engine.state_cache``).
+(``conveyor.engine.memory.state_cache``).
 
 A slot is taken when a request is first given room (its admission, or re-admission after a
 preemption) and given back when it finishes, is aborted or is preempted; a preempted request is
@@ -24,8 +24,8 @@ import logging
 from dataclasses import dataclass, field
 
 from conveyor.engine.core.request import Request
-from conveyor.engine.kv_cache import KVBlock, KVCacheManager
-from conveyor.engine.state_cache import LinearStateCache
+from conveyor.engine.memory.kv_cache import KVBlock, KVCacheManager
+from conveyor.engine.memory.state_cache import LinearStateCache
 
 log = logging.getLogger(__name__)
 
