@@ -38,8 +38,8 @@ from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
 from conveyor.engine.models.loader import load_model
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling import PoolingHook
-from conveyor.engine.prompt_logprobs import PromptLogprobsHook
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.sample.prompt_logprobs import PromptLogprobsHook
+from conveyor.engine.sample.sampler import Sampler
 from conveyor.kernels.utils import cdiv
 
 log = logging.getLogger(__name__)

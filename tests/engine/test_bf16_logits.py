@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conveyor.engine import SamplingParams
-from conveyor.engine.sampler import SamplerOutput
+from conveyor.engine.sample.sampler import SamplerOutput
 from conveyor.engine.testing import build_shaped_model, shaped_model_dir
 from conveyor.kernels.interpreter import kernel_device
 from tests.engine.helpers import model_case

@@ -10,7 +10,7 @@ import torch
 
 from conveyor.engine import RequestOutput, SamplingParams
 from conveyor.engine.core.request import Request
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.sample.sampler import Sampler
 from tests.engine.reference import assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"

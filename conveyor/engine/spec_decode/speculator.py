@@ -22,7 +22,7 @@ from conveyor.engine.batch import LogitsOf, RowPlan
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler_output import SchedulerOutput
 from conveyor.engine.core.step_result import NewTokens, StepResult
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.sample.sampler import Sampler
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.draft import DraftModel
 from conveyor.engine.spec_decode.ngram import ngram_proposal

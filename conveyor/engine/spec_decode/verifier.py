@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from conveyor.engine.core.request import Request
-from conveyor.engine.sampler import probabilities
+from conveyor.engine.sample.sampler import probabilities
 
 if TYPE_CHECKING:
-    from conveyor.engine.sampler import Sampler
+    from conveyor.engine.sample.sampler import Sampler
     from conveyor.engine.sampling_params import SamplingParams
 
 

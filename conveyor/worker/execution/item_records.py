@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.token_pieces import TokenPieces
+from conveyor.engine.sample.token_pieces import TokenPieces
 from conveyor.worker.batchio.anthropic_body import MESSAGES
 from conveyor.worker.batchio.anthropic_message import MessageOutput, message_object
 from conveyor.worker.batchio.output_lines import Choice, response_body, stable_id
