@@ -8,7 +8,7 @@ from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
 from conveyor.engine.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.structured_outputs import StructuredOutputs
+from conveyor.engine.structured.structured_outputs import StructuredOutputs
 
 __all__ = [
     "LLM",

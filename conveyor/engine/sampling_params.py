@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.engine.pooling_params import PoolingParams
-from conveyor.engine.structured_outputs import StructuredOutputs
+from conveyor.engine.structured.structured_outputs import StructuredOutputs
 from conveyor.engine.text_checks import check_text
 
 # Limits on user-supplied sizes and counts.
@@ -69,7 +69,7 @@ class SamplingParams:
     cache_salt: str | None = None
     # Reasoning models: the texts that open and close the thinking block (None: no thinking
     # handling, unless a budget is set: then ("<think>", "</think>")). The structured-output
-    # grammar then constrains only what follows the block (``conveyor.engine.thinking``).
+    # grammar then constrains only what follows the block (``conveyor.engine.structured.thinking``).
     thinking_delimiters: tuple[str, str] | list[str] | None = None
     # At most this many thinking tokens, then the closing delimiter is forced (vLLM's name).
     thinking_token_budget: int | None = None

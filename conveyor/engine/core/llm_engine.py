@@ -32,8 +32,8 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scoring import score_head
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
-from conveyor.engine.structured_outputs import StructuredOutputManager
-from conveyor.engine.thinking import gate_for
+from conveyor.engine.structured.structured_outputs import StructuredOutputManager
+from conveyor.engine.structured.thinking import gate_for
 from conveyor.engine.thread_tuner import ThreadTuner
 
 log = logging.getLogger(__name__)

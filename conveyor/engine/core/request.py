@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from conveyor.engine.core.detokenizer import IncrementalDetokenizer
     from conveyor.engine.pooling_state import PoolingState
-    from conveyor.engine.structured_outputs import Constraint
+    from conveyor.engine.structured.structured_outputs import Constraint
 
 
 class RequestStatus(enum.Enum):

@@ -21,7 +21,7 @@ from conveyor.engine.inputs.tool_arguments import with_text_arguments
 from conveyor.engine.pooling import EngineEmbedding
 from conveyor.engine.pooling_state import PoolingState
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
+from conveyor.engine.structured.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
 from conveyor.engine.text_checks import check_text, check_texts
 
 MAX_CHAT_MESSAGES = 1024

@@ -13,7 +13,7 @@ import torch
 
 from conveyor.engine.core.request import Request
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.structured_outputs import StructuredOutputManager
+from conveyor.engine.structured.structured_outputs import StructuredOutputManager
 
 
 @dataclass

@@ -243,7 +243,7 @@ class GrammarMatcher:
 
 class Constraint(Protocol):
     """What sits in a request's grammar slot: a ``GrammarMatcher`` or an
-    ``conveyor.engine.thinking.ThinkingGate`` (whose matcher is the answer's, once it began)."""
+    ``conveyor.engine.structured.thinking.ThinkingGate`` (whose matcher is the answer's, once it began)."""
 
     @property
     def matcher(self) -> llguidance.LLMatcher | None: ...

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from conveyor.engine.sampling_params import SamplingParams
-    from conveyor.engine.structured_outputs import GrammarMatcher
+    from conveyor.engine.structured.structured_outputs import GrammarMatcher
 
 # The delimiters a thinking budget uses when a request names none (the ``<think>`` family).
 DEFAULT_DELIMITERS = ("<think>", "</think>")
