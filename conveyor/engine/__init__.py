@@ -6,7 +6,7 @@ from conveyor.engine.core.startup import StartupTimings
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
-from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured.structured_outputs import StructuredOutputs
 

@@ -16,7 +16,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.llm_engine import LLMEngine, Prompt
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
-from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
 
 Message = Mapping[str, Any]
@@ -177,7 +177,7 @@ class LLM:
     ) -> list[ScoreOutput]:
         """As vLLM's ``LLM.score``: one relevance score per pair, in input order. ``text_1``
         one string is scored against every ``text_2`` (1:N); two lists of one length pair up
-        (N:N). The model's scoring head computes it (``conveyor.engine.scoring``); a model
+        (N:N). The model's scoring head computes it (``conveyor.engine.pooling.scoring``); a model
         without one, or a pair the engine rejects, gets ``score`` None and the reason in ``error``."""
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)

@@ -37,7 +37,7 @@ from conveyor.engine.models.kv_layout import KVLayout
 from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
 from conveyor.engine.models.loader import load_model
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.pooling import PoolingHook
+from conveyor.engine.pooling.pooler import PoolingHook
 from conveyor.engine.sample.prompt_logprobs import PromptLogprobsHook
 from conveyor.engine.sample.sampler import Sampler
 from conveyor.kernels.utils import cdiv

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.structured.structured_outputs import StructuredOutputs
 from conveyor.engine.text_checks import check_text
 
@@ -74,7 +74,7 @@ class SamplingParams:
     # At most this many thinking tokens, then the closing delimiter is forced (vLLM's name).
     thinking_token_budget: int | None = None
     # An embedding request: the prompt is pooled into one vector (``RequestOutput.embedding``)
-    # instead of generating; the sampling fields are then ignored (``conveyor.engine.pooling``). A dict
+    # instead of generating; the sampling fields are then ignored (``conveyor.engine.pooling.pooler``). A dict
     # of its fields is taken too.
     pooling: PoolingParams | dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)

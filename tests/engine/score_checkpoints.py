@@ -76,7 +76,7 @@ def qwen3_reranker_reference(path: str, tokens: list[str], pairs: list[tuple[str
     over the published prompt, the softmax over the [false, true] tokens' last logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conveyor.engine.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
+    from conveyor.engine.pooling.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

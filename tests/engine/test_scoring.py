@@ -1,4 +1,4 @@
-"""``LLM.score`` (``conveyor.engine.scoring``) against its references in float32: BERT and
+"""``LLM.score`` (``conveyor.engine.pooling.scoring``) against its references in float32: BERT and
 XLM-R cross-encoders against sentence-transformers' ``CrossEncoder.predict``, the Qwen3
 reranker against transformers' causal LM's yes/no logits over Qwen's published prompt; a
 model without a scoring head is refused per request with the reason."""

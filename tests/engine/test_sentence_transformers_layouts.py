@@ -10,7 +10,7 @@ import json
 import pytest
 
 from conveyor.engine import LLM
-from conveyor.engine.pooling_config import read_pooling_config
+from conveyor.engine.pooling.pooling_config import read_pooling_config
 from conveyor.engine.testing import build_tiny_encoder
 from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors
 

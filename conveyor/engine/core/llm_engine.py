@@ -27,9 +27,9 @@ from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models.bert import encoder_engine_config
 from conveyor.engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.pooling import embedding_support
+from conveyor.engine.pooling.pooler import embedding_support
+from conveyor.engine.pooling.scoring import score_head
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scoring import score_head
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
 from conveyor.engine.structured.structured_outputs import StructuredOutputManager

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from conveyor.engine.core.detokenizer import IncrementalDetokenizer
-    from conveyor.engine.pooling_state import PoolingState
+    from conveyor.engine.pooling.pooling_state import PoolingState
     from conveyor.engine.structured.structured_outputs import Constraint
 
 
@@ -135,7 +135,7 @@ class Request:
         self.final_text: str | None = None
         # The structured-output matcher (or a thinking request's ``ThinkingGate``), fed every kept token.
         self.grammar = grammar
-        self.pooling = pooling  # an embedding request's pooling and vector (``conveyor.engine.pooling``)
+        self.pooling = pooling  # an embedding request's pooling and vector (``conveyor.engine.pooling.pooler``)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # One entry per prompt token as they are computed (the first token has none: None).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

@@ -18,8 +18,8 @@ from conveyor.engine.chat_kwargs import check_template_kwargs
 from conveyor.engine.inputs.errors import PROMPT_TOO_LONG, InputRejected
 from conveyor.engine.inputs.prompt_bounds import bytes_per_token_bound, min_tokens
 from conveyor.engine.inputs.tool_arguments import with_text_arguments
-from conveyor.engine.pooling import EngineEmbedding
-from conveyor.engine.pooling_state import PoolingState
+from conveyor.engine.pooling.pooler import EngineEmbedding
+from conveyor.engine.pooling.pooling_state import PoolingState
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
 from conveyor.engine.text_checks import check_text, check_texts
@@ -119,7 +119,7 @@ class InputProcessor:
 
     def tokenize_pair(self, prompt: Prompt) -> list[int]:
         """A score request's token ids: ``{"text_pair": [text_1, text_2]}`` as the model's
-        scoring head puts a pair into one prompt (``conveyor.engine.scoring``)."""
+        scoring head puts a pair into one prompt (``conveyor.engine.pooling.scoring``)."""
         pair = prompt.get("text_pair") if isinstance(prompt, dict) and set(prompt) == {"text_pair"} else None
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
             raise ValueError('a score request\'s prompt is {"text_pair": [text_1, text_2]}, two strings')

@@ -52,7 +52,7 @@ def engine_prompt(req: ParsedRequest, *, chat_template: bool = False, reasoning:
     ``ValueError`` when the job asks for chat and the model has no template."""
     if req.inputs is not None:
         return PromptList(list(req.inputs))
-    if req.pairs is not None:  # each pair scored as its own engine request (``conveyor.engine.scoring``)
+    if req.pairs is not None:  # each pair scored as its own engine request (``conveyor.engine.pooling.scoring``)
         name = "documents" if req.rerank is not None else "pair"
         return PromptList([{"text_pair": list(pair)} for pair in req.pairs], name)
     if req.messages is not None:

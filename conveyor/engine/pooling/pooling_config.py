@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_params import PoolingParams
 
 # sentence-transformers' pooling modes (6.x names, and the older flags) -> ours; the others
 # (max, mean_sqrt_len_tokens, weightedmean) cannot be served exactly.

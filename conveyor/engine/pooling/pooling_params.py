@@ -4,9 +4,9 @@
 e5-mistral), ``mean`` (the average over the prompt's tokens) or ``cls`` (the first token's);
 ``normalize`` scales the vector to unit L2 norm; ``dimensions`` keeps its first entries
 (Matryoshka truncation, re-normalised when ``normalize``). A field left ``None`` takes the
-model's setting (``conveyor.engine.pooling_config``).
+model's setting (``conveyor.engine.pooling.pooling_config``).
 
-``task="score"`` asks for a relevance score of a text pair instead (``conveyor.engine.scoring``):
+``task="score"`` asks for a relevance score of a text pair instead (``conveyor.engine.pooling.scoring``):
 the model's scoring head decides the pooling, so the other fields stay ``None``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An embedding or score request's own state (``Request.pooling``): how it pools, the running
 sum of mean pooling, and the vector (or score) once its prompt is computed
-(``conveyor.engine.pooling``)."""
+(``conveyor.engine.pooling.pooler``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from conveyor.engine.pooling_config import ResolvedPooling
+from conveyor.engine.pooling.pooling_config import ResolvedPooling
 
 
 @dataclass
@@ -18,7 +18,7 @@ class PoolingState:
     params: ResolvedPooling
     total: torch.Tensor | None = None  # mean pooling: the sum of the rows so far (float32)
     embedding: list[float] | None = None  # the vector, once the last prompt token is computed
-    # A score request's head (``conveyor.engine.scoring``): the step's rows and this request's
+    # A score request's head (``conveyor.engine.pooling.scoring``): the step's rows and this request's
     # pooled row in, the score out; and the score once computed.
     scorer: Callable[[Any, list[int]], float] | None = None
     score: float | None = None

@@ -22,11 +22,11 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.request import Request
 from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.pooling_config import PoolingConfig, ResolvedPooling, read_pooling_config
-from conveyor.engine.pooling_params import PoolingParams
-from conveyor.engine.pooling_state import PoolingState
+from conveyor.engine.pooling.pooling_config import PoolingConfig, ResolvedPooling, read_pooling_config
+from conveyor.engine.pooling.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_state import PoolingState
+from conveyor.engine.pooling.scoring import ScoreHead
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scoring import ScoreHead
 
 
 def pool_vector(hidden: torch.Tensor, params: ResolvedPooling) -> torch.Tensor:
@@ -85,7 +85,7 @@ class PoolingHook:
 
 class EngineEmbedding:
     """What the engine knows of embedding and scoring: the model's pooling, or why it cannot
-    embed; its scoring head, or why it cannot score (``conveyor.engine.scoring``)."""
+    embed; its scoring head, or why it cannot score (``conveyor.engine.pooling.scoring``)."""
 
     def __init__(
         self,
@@ -142,7 +142,7 @@ class EngineEmbedding:
 def embedding_support(
     model_dir: Path, spec: ModelSpec, config: EngineConfig, score: ScoreHead | str
 ) -> EngineEmbedding:
-    """The engine's embedding: the checkpoint's pooling (``conveyor.engine.pooling_config``), or why
+    """The engine's embedding: the checkpoint's pooling (``conveyor.engine.pooling.pooling_config``), or why
     its requests for vectors are refused (a generation model with no usable pooling config
     still generates). An encoder only embeds (one whose pooling files are refused is refused at
     load); without sentence-transformers' files it pools the mean, as sentence-transformers
