@@ -14,9 +14,9 @@ and ``model_spec`` do not count as speculative decoding. A branch is counted onc
 first add-on it matches, in the order below.
 
 The core files: ``conveyor/engine/core/scheduler.py``, ``conveyor/engine/core/llm_engine.py``,
-``conveyor/engine/model_runner.py`` and, where it exists, ``conveyor/engine/batch.py`` (the batch builder split out of the runner). The
-modules where add-ons plug in (``conveyor/engine/executors.py``, the row hooks, ``conveyor/engine/spec_decode``,
-the waiting queues) are the seams, not the core; ``--seams`` counts ``conveyor/engine/executors.py``
+``conveyor/engine/runner/model_runner.py`` and, where it exists, ``conveyor/engine/runner/batch.py`` (the batch builder split out of the runner). The
+modules where add-ons plug in (``conveyor/engine/runner/executors.py``, the row hooks, ``conveyor/engine/spec_decode``,
+the waiting queues) are the seams, not the core; ``--seams`` counts ``conveyor/engine/runner/executors.py``
 too, for reference.
 
     python scripts/count_addon_branches.py                 # the working tree
@@ -36,8 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("engine/core/scheduler.py", "engine/core/llm_engine.py", "engine/model_runner.py", "engine/batch.py")
-SEAMS = ("engine/executors.py",)
+CORE = (
+    "engine/core/scheduler.py",
+    "engine/core/llm_engine.py",
+    "engine/runner/model_runner.py",
+    "engine/runner/batch.py",
+)
+SEAMS = ("engine/runner/executors.py",)
 WORKTREE = "WORKTREE"
 
 # Add-on -> a pattern an identifier (a name or an attribute) of its state matches in full.
@@ -176,7 +181,7 @@ def count(rev: str, paths: tuple[str, ...] = CORE) -> Count:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rev", action="append", help=f"a git revision, or {WORKTREE} (default: {WORKTREE})")
-    parser.add_argument("--seams", action="store_true", help="also count engine/executors.py")
+    parser.add_argument("--seams", action="store_true", help="also count engine/runner/executors.py")
     parser.add_argument("--where", action="store_true", help="list every counted branch")
     parser.add_argument("--json", type=Path, help="write the counts here")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ import torch
 
 from conveyor.engine.core.admission import ADMISSION_POLICIES
 from conveyor.engine.core.waiting_queues import SCHEDULING_POLICIES
-from conveyor.engine.cpu_threads import check_cpu_threads
+from conveyor.engine.runner.cpu_threads import check_cpu_threads
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -178,9 +178,9 @@ class ParallelConfig:
     # Tensor parallelism: this many processes (one GPU each on CUDA) each hold a slice of
     # every layer and of the KV cache (``conveyor.engine.distributed``).
     tensor_parallel_size: int = 1
-    # torch's intra-op threads (``conveyor.engine.cpu_threads``). None: the CPUs this process may use
+    # torch's intra-op threads (``conveyor.engine.runner.cpu_threads``). None: the CPUs this process may use
     # (affinity, cgroup quota; OMP_NUM_THREADS when set), and on CPU the engine tunes the count
-    # under that ceiling from its own step times (``conveyor.engine.thread_tuner``); a number: exactly
+    # under that ceiling from its own step times (``conveyor.engine.runner.thread_tuner``); a number: exactly
     # that many, never tuned.
     cpu_threads: int | None = None
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.cuda_graphs import CallingGraph, graph_batch_sizes
+from conveyor.engine.runner.cuda_graphs import CallingGraph, graph_batch_sizes
 from conveyor.kernels.interpreter import kernel_device
 from tests.engine.helpers import spy
 from tests.engine.reference import assert_outputs_match, greedy

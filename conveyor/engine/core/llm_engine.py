@@ -19,22 +19,22 @@ from conveyor.engine.core.detokenizer import IncrementalDetokenizer
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.startup import StartupTimings, sync
-from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget
 from conveyor.engine.inputs.processor import InputProcessor, PreparedInput, Prompt
 from conveyor.engine.memory.kv_cache import window_release
 from conveyor.engine.memory.state_memory import make_request_memory
-from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models.bert import encoder_engine_config
 from conveyor.engine.models.loader import load_spec, load_tokenizer, resolve_model_path
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.pooling.pooler import embedding_support
 from conveyor.engine.pooling.scoring import score_head
+from conveyor.engine.runner.cpu_threads import apply_cpu_budget, cpu_budget
+from conveyor.engine.runner.model_runner import ModelRunner
+from conveyor.engine.runner.thread_tuner import ThreadTuner
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.spec_decode.speculator import load_speculator
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
 from conveyor.engine.structured.structured_outputs import StructuredOutputManager
 from conveyor.engine.structured.thinking import gate_for
-from conveyor.engine.thread_tuner import ThreadTuner
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from conveyor.engine.batch import LogitsOf, RowPlan, StepRows
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.request import Request
 from conveyor.engine.core.step_result import StepResult
@@ -26,6 +25,7 @@ from conveyor.engine.pooling.pooling_config import PoolingConfig, ResolvedPoolin
 from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.pooling.pooling_state import PoolingState
 from conveyor.engine.pooling.scoring import ScoreHead
+from conveyor.engine.runner.batch import LogitsOf, RowPlan, StepRows
 from conveyor.engine.sampling_params import SamplingParams
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.engine.batch import LogitsOf, RowPlan
 from conveyor.engine.core.request import Request
 from conveyor.engine.core.step_result import StepResult
+from conveyor.engine.runner.batch import LogitsOf, RowPlan
 
 PromptEntries = list[dict[int, float] | None]
 

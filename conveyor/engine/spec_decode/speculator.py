@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conveyor.engine.batch import LogitsOf, RowPlan
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler_output import SchedulerOutput
 from conveyor.engine.core.step_result import NewTokens, StepResult
+from conveyor.engine.runner.batch import LogitsOf, RowPlan
 from conveyor.engine.sample.sampler import Sampler
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.draft import DraftModel
@@ -31,8 +31,8 @@ from conveyor.engine.spec_decode.verifier import Verdict, verify
 
 if TYPE_CHECKING:
     from conveyor.engine.config import EngineConfig
-    from conveyor.engine.model_runner import ModelRunner
     from conveyor.engine.models.model_config import ModelSpec
+    from conveyor.engine.runner.model_runner import ModelRunner
     from conveyor.engine.spec_decode.stats import SpecDecodeStats as StatsSnapshot
 
 

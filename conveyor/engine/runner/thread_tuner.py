@@ -8,7 +8,7 @@ waits for it: on two cores beside one CPU-bound process, a step on two threads m
 on what else runs, which changes, so it is measured:
 
 - steps run on the current count (``threads``), starting at the budget
-  (``conveyor.engine.cpu_threads``: affinity and cgroup quota);
+  (``conveyor.engine.runner.cpu_threads``: affinity and cgroup quota);
 - from time to time a probe compares it with the next count down (or up, alternately) on
   interleaved steps (candidate, current, current, candidate, ...: neighbouring steps carry
   nearly the same batch), by seconds per token scheduled;

@@ -11,7 +11,7 @@ scheduler grants the process. Two limits apply, and the smaller wins:
 
 An explicit count (``EngineConfig.cpu_threads``: ``--cpu-threads``, ``CONVEYOR_CPU_THREADS``)
 wins, then ``OMP_NUM_THREADS`` from the environment (as torch itself honours it). Only the
-derived count is a ceiling the engine may tune under (``conveyor.engine.thread_tuner``); an explicit
+derived count is a ceiling the engine may tune under (``conveyor.engine.runner.thread_tuner``); an explicit
 one is used as given.
 """
 

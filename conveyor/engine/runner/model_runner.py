@@ -1,7 +1,7 @@
 """Owns the weights and the KV tensors; runs each scheduled step.
 
-A step is built into a flat, unpadded batch (``conveyor.engine.batch``: the tokens of all scheduled
-requests back to back, decodes first), run by this runner's executor (``conveyor.engine.executors``:
+A step is built into a flat, unpadded batch (``conveyor.engine.runner.batch``: the tokens of all scheduled
+requests back to back, decodes first), run by this runner's executor (``conveyor.engine.runner.executors``:
 eager, CUDA graphs, or rank 0 of tensor parallelism), and the rows it wants are sampled.
 Add-ons that need more rows' logits (prompt logprobs, speculative decoding's verification)
 are the builder's row hooks: they get those rows' logits after sampling.
@@ -22,22 +22,22 @@ import torch
 from conveyor.engine.attention.base import AttentionMetadata
 from conveyor.engine.attention.selector import create_backend
 from conveyor.engine.attention.triton_backend import TritonAttention
-from conveyor.engine.batch import LogitsOf, RowHook, StepRows, build_batch
 from conveyor.engine.config import EngineConfig, available_kv_bytes, cpu_default_kv_bytes, kv_cache_torch_dtype
 from conveyor.engine.core.scheduler_output import SchedulerOutput
 from conveyor.engine.core.startup import StartupTimings, sync
 from conveyor.engine.core.step_result import StepResult
-from conveyor.engine.cuda_graphs import DecodeGraphs, graphs_apply
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.leader import start_ranks
 from conveyor.engine.distributed.step_inputs import StepInputs
-from conveyor.engine.executors import Executor, choose_executor
 from conveyor.engine.memory.state_cache import allocate_state, state_bytes_per_seq
 from conveyor.engine.models.kv_layout import KVLayout
 from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
 from conveyor.engine.models.loader import load_model
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling.pooler import PoolingHook
+from conveyor.engine.runner.batch import LogitsOf, RowHook, StepRows, build_batch
+from conveyor.engine.runner.cuda_graphs import DecodeGraphs, graphs_apply
+from conveyor.engine.runner.executors import Executor, choose_executor
 from conveyor.engine.sample.prompt_logprobs import PromptLogprobsHook
 from conveyor.engine.sample.sampler import Sampler
 from conveyor.kernels.utils import cdiv
@@ -113,7 +113,7 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.kv_budget_source,
         )
-        # Add-ons that want more rows than the sampled ones (``conveyor.engine.batch``): prompt logprobs, pooling.
+        # Add-ons that want more rows than the sampled ones (``conveyor.engine.runner.batch``): prompt logprobs, pooling.
         self.row_hooks: list[RowHook] = [PromptLogprobsHook(), PoolingHook()]
         self.graphs: DecodeGraphs | None = None
         self.executor: Executor = choose_executor(self, self.ranks, None)

@@ -4,7 +4,7 @@ when it starts (``choose_executor``).
 
 - ``EagerExecutor``: the model's forward pass, as is.
 - ``CudaGraphExecutor``: a batch of decodes only replays a captured CUDA graph
-  (``conveyor.engine.cuda_graphs``); anything else runs eagerly.
+  (``conveyor.engine.runner.cuda_graphs``); anything else runs eagerly.
 - ``TensorParallelExecutor``: rank 0 of tensor parallelism sends the batch to the other ranks
   (``conveyor.engine.distributed``), all run the same forward pass, and the wanted rows' logits are
   gathered on rank 0.
@@ -16,11 +16,11 @@ from typing import Protocol
 
 import torch
 
-from conveyor.engine.batch import Batch, LogitsOf
-from conveyor.engine.cuda_graphs import DecodeGraphs
 from conveyor.engine.distributed.leader import SingleRank
 from conveyor.engine.distributed.rank_group import RankGroup
 from conveyor.engine.distributed.step_inputs import StepInputs
+from conveyor.engine.runner.batch import Batch, LogitsOf
+from conveyor.engine.runner.cuda_graphs import DecodeGraphs
 
 
 class ForwardPass(Protocol):
