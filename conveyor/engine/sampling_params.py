@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.engine.inputs.text_checks import check_text
 from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.structured.structured_outputs import StructuredOutputs
-from conveyor.engine.text_checks import check_text
 
 # Limits on user-supplied sizes and counts.
 MAX_N = 64

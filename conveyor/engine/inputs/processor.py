@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.engine.chat_kwargs import check_template_kwargs
+from conveyor.engine.inputs.chat_kwargs import check_template_kwargs
 from conveyor.engine.inputs.errors import PROMPT_TOO_LONG, InputRejected
 from conveyor.engine.inputs.prompt_bounds import bytes_per_token_bound, min_tokens
+from conveyor.engine.inputs.text_checks import check_text, check_texts
 from conveyor.engine.inputs.tool_arguments import with_text_arguments
 from conveyor.engine.pooling.pooler import EngineEmbedding
 from conveyor.engine.pooling.pooling_state import PoolingState
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
-from conveyor.engine.text_checks import check_text, check_texts
 
 MAX_CHAT_MESSAGES = 1024
 

@@ -113,7 +113,7 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.kv_budget_source,
         )
-        # Add-ons that want more rows than the sampled ones (``conveyor.engine.runner.batch``): prompt logprobs, pooling.
+        # Add-ons that want more rows than the sampled ones (``runner.batch``): prompt logprobs, pooling.
         self.row_hooks: list[RowHook] = [PromptLogprobsHook(), PoolingHook()]
         self.graphs: DecodeGraphs | None = None
         self.executor: Executor = choose_executor(self, self.ranks, None)

@@ -29,7 +29,7 @@ import torch
 
 from conveyor.engine.inputs.errors import InputRejected
 from conveyor.engine.inputs.grammar_probe import GrammarProbe
-from conveyor.engine.text_checks import check_text
+from conveyor.engine.inputs.text_checks import check_text
 
 if TYPE_CHECKING:
     import llguidance
