@@ -27,7 +27,7 @@ def build_cross_encoder(path: Path, family: str, *, activation: str | None = Non
     import transformers
     from tokenizers import processors
 
-    from conveyor.engine.testing import ENCODER_FAMILIES, _randomize, build_tiny_encoder_tokenizer
+    from conveyor.testing.tiny_models import ENCODER_FAMILIES, _randomize, build_tiny_encoder_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_encoder_tokenizer(path, family)

@@ -21,7 +21,7 @@ from conveyor.engine.memory.kv_cache import KVCacheManager
 from conveyor.engine.spec_decode import verifier
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.ngram import ngram_proposal
-from conveyor.engine.testing import build_truncated_draft
+from conveyor.testing.tiny_models import build_truncated_draft
 from tests.engine.helpers import record_steps
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 

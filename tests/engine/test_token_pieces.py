@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conveyor.engine.sample.token_pieces import TokenPieces, byte_level_alphabet
-from conveyor.engine.testing import build_tokenizer
+from conveyor.testing.tiny_models import build_tokenizer
 
 TEXT = "Tea for two 🍕 at the café ☃ — 日本語 done"
 

