@@ -27,7 +27,7 @@ class ForwardPass(Protocol):
     """What the executors need of the runner (``ModelRunner``): its eager forward pass, the
     logits of chosen rows of its output, and a tensor-parallel rank's step."""
 
-    def _forward_eager(
+    def forward_eager(
         self,
         input_ids: list[int],
         positions: list[int],
@@ -54,7 +54,7 @@ class EagerExecutor:
         self.runner = runner
 
     def run(self, batch: Batch) -> LogitsOf | None:
-        hidden = self.runner._forward_eager(
+        hidden = self.runner.forward_eager(
             batch.input_ids,
             batch.positions,
             batch.slots,

@@ -227,7 +227,7 @@ class ModelRunner:
     def run_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """One step's forward pass on any rank; the sampled rows' logits (rank 0's: the whole
         vocabulary; the other ranks': nothing useful), or None when no row is sampled."""
-        hidden = self._forward_eager(
+        hidden = self.forward_eager(
             inputs.input_ids,
             inputs.positions,
             inputs.slots,
@@ -242,7 +242,7 @@ class ModelRunner:
         rows_t = hidden if len(rows) == len(inputs.input_ids) else hidden[torch.tensor(rows, device=self.device)]
         return self.model.compute_logits(rows_t)
 
-    def _forward_eager(
+    def forward_eager(
         self,
         input_ids: list[int],
         positions: list[int],
@@ -252,6 +252,8 @@ class ModelRunner:
         tables: list[list[int]],
         num_decodes: int,
     ) -> torch.Tensor:
+        """The model's forward pass over a flat batch, as is (no graph): the executors' and every
+        rank's (``ForwardPass``). The final hidden state of each token, in the batch's order."""
         dev = self.device
         self.backend.prepare(AttentionMetadata.from_host(slots, tables, counts, seq_lens, num_decodes, dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
