@@ -37,7 +37,7 @@ class Sampler:
         logits = self.process(logits, reqs)
         tokens = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, reqs)
         token_list = tokens.tolist()
-        logprobs = self._logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
+        logprobs = self.logprobs(raw_logprobs, reqs, tokens) if raw_logprobs is not None else None
         return SamplerOutput(token_list, logprobs)
 
     def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -130,7 +130,10 @@ class Sampler:
         logits[rows] = sub
         return logits
 
-    def _logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> list[dict[int, float] | None]:
+    def logprobs(self, raw: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> list[dict[int, float] | None]:
+        """Each row's logprobs entry from ``raw`` (log-softmax of the unprocessed logits): the
+        chosen token's and the request's top ``logprobs``; None for a request that asked for none.
+        Speculative decoding's verifier asks it for the tokens it accepts."""
         k_max = max((r.params.logprobs or 0) for r in reqs)
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         top_ids: list[list[int]] = []
