@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.engine.core.admission import make_admission
+from conveyor.engine.core.cached_prefix import reusable_prefix
 from conveyor.engine.core.chunk_budget import PrefillChunkController, UnlimitedPrefill, is_prefill
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler_output import SchedulerOutput
@@ -149,7 +150,7 @@ class Scheduler:
             self.admission.start(self.running)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            hits, num_cached = self.kv.get_computed_blocks(req)
+            hits, num_cached = reusable_prefix(self.kv, req)
             remaining = req.num_tokens - num_cached
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:

@@ -20,6 +20,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from conveyor.engine.core.cached_prefix import reusable_prefix
 from conveyor.engine.core.request import Request
 from conveyor.engine.memory.request_memory import RequestMemory
 
@@ -153,7 +154,7 @@ class SRPFWaitingQueue(WaitingQueue):
         self._entries: dict[Request, list] = {}
 
     def _remaining(self, req: Request) -> int:
-        return req.num_tokens - self.kv.get_computed_blocks(req)[1]
+        return req.num_tokens - reusable_prefix(self.kv, req)[1]
 
     def _push(self, req: Request, queued_at: float, front: bool) -> None:
         entry = [self._remaining(req), req.arrival_seq, req, True]
@@ -220,7 +221,7 @@ class PrefixAwareWaitingQueue(WaitingQueue):
         group_first: dict[bytes, int] = {}
         scored = []
         for req in window:
-            hits, _ = kv.get_computed_blocks(req)  # also fills req.block_hashes
+            hits, _ = reusable_prefix(kv, req)  # also fills req.block_hashes
             group = req.block_hashes[0] if req.block_hashes else None
             first = req.arrival_seq if group is None else group_first.setdefault(group, req.arrival_seq)
             scored.append((-len(hits), first, req.arrival_seq, req))

@@ -228,10 +228,9 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of ``req``'s tokens: its blocks and token count.
 
-        The last token is always left to compute: its logits are needed to sample. A request
-        still owed prompt logprobs, or pooling more than its last token, computes its whole
-        prompt: cached tokens have no logits or hidden states."""
-        if not self.enable_caching or req.needs_every_prompt_row:
+        The last token is always left to compute: its logits are needed to sample. Whether
+        the request may use them is the scheduler's call (``core.cached_prefix``)."""
+        if not self.enable_caching:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
