@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -16,10 +14,12 @@ from conveyor.engine.attention.triton_backend import prepare_interpreter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.chunk_budget import make_chunk_controller
 from conveyor.engine.core.detokenizer import IncrementalDetokenizer
+from conveyor.engine.core.output_processor import OutputProcessor
 from conveyor.engine.core.request import Request, RequestStatus
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.startup import StartupTimings, sync
 from conveyor.engine.inputs.processor import InputProcessor, PreparedInput, Prompt
+from conveyor.engine.inputs.request_fields import check_request_fields
 from conveyor.engine.memory.kv_cache import window_release
 from conveyor.engine.memory.state_memory import make_request_memory
 from conveyor.engine.models.bert import encoder_engine_config
@@ -37,9 +37,6 @@ from conveyor.engine.structured.structured_outputs import StructuredOutputManage
 from conveyor.engine.structured.thinking import gate_for
 
 log = logging.getLogger(__name__)
-
-MAX_REQUEST_ID_CHARS = 256
-T = TypeVar("T")
 
 
 @dataclass
@@ -63,11 +60,6 @@ class EngineStats:
     num_generated_tokens: int
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
     cpu_threads: int = 0  # torch's intra-op threads the last step ran on
-
-
-def _snapshot(entries: list[T] | None) -> list[T] | None:
-    """A copy of a list the request keeps growing (None, for what it did not ask for)."""
-    return None if entries is None else list(entries)
 
 
 class LLMEngine:
@@ -162,6 +154,7 @@ class LLMEngine:
             self.embedding,
             tokenize_seconds=config.inputs.tokenize_seconds,
         )
+        self.outputs = OutputProcessor(self.tokenizer)
         self._groups: dict[str, list[Request]] = {}
         self._seq = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -192,25 +185,22 @@ class LLMEngine:
         ``priority`` (lower first) orders the queue under the ``priority`` policy; ``deadline``
         (wall-clock epoch seconds, ``time.time()``'s clock) under ``edf``, and breaks ties
         between equal priorities under ``priority``. Other policies ignore both."""
-        if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+        deadline = check_request_fields(request_id, priority, deadline)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if deadline is not None:
-            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
-                raise ValueError(f"deadline must be a finite number of epoch seconds, got {deadline!r}")
-            deadline = float(deadline)
-        if isinstance(prompt, PreparedInput):
-            if params is not None and params is not prompt.source_params:
-                raise ValueError("a PreparedInput runs with the params it was prepared for")
-            prepared = prompt
-        else:
-            prepared = self.inputs.prepare(prompt, params if params is not None else SamplingParams())
+        prepared = self.inputs.resolve(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = self._sequences(request_id, prepared, priority, deadline, arrival)
+        self._groups[request_id] = children
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _sequences(
+        self, request_id: str, prepared: PreparedInput, priority: int, deadline: float | None, arrival: float
+    ) -> list[Request]:
+        """The request's ``n`` sequences, each its own ``Request`` with its own seed."""
         params, ids, text, pooling = prepared.params, prepared.token_ids, prepared.text, prepared.pooling
         compiled = prepared.grammar
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
             seq = next(self._seq)
@@ -247,15 +237,13 @@ class LLMEngine:
                     pooling=pooling,
                 )
             )
-        self._groups[request_id] = children
-        for child in children:
-            self.scheduler.add_request(child)
+        return children
 
     def prepare_input(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedInput:
         """``prompt`` tokenised (its chat template applied) and its grammar compiled, for
         ``add_request``: thread-safe, so an input stage may run it beside the loop.
         ``ValueError`` (``InputRejected`` with its code) naming what is wrong."""
-        return self.inputs.prepare(prompt, params if params is not None else SamplingParams())
+        return self.inputs.resolve(prompt, params)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -264,7 +252,7 @@ class LLMEngine:
                 if not req.finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                     req.metrics.finished_time = time.monotonic()
-                    self._pending.append(self._output(req, [], ""))
+                    self._pending.append(self.outputs.output(req, [], ""))
 
     @property
     def release_window(self) -> int | None:
@@ -294,7 +282,7 @@ class LLMEngine:
         result.duration_s = time.perf_counter() - begin
         finished = self.scheduler.update_from_output(sched, result)
         ended = set(finished)
-        outputs += [self._emit(req) for req in result.requests if req in ended or req.params.stream]
+        outputs += [self.outputs.emit(req) for req in result.requests if req in ended or req.params.stream]
         for req in finished:
             self._forget(req)
         return outputs
@@ -311,55 +299,10 @@ class LLMEngine:
         if self.thread_tuner is not None:
             self.thread_tuner.after_step(time.perf_counter() - step_begin, num_tokens)
 
-    def _emit(self, req: Request) -> RequestOutput:
-        """``req``'s output with what it generated since the last one (none after an error)."""
-        if req.error is not None:
-            return self._output(req, [], "")
-        new_ids = req.output_token_ids[req.num_emitted_tokens :]
-        req.num_emitted_tokens = len(req.output_token_ids)
-        return self._output(req, new_ids, self._take_text_delta(req))
-
-    def _take_text_delta(self, req: Request) -> str:
-        if req.detokenizer is not None:
-            return req.detokenizer.take_delta(req.finished)
-        return self._text(req) if req.finished else ""
-
-    def _text(self, req: Request) -> str:
-        if req.detokenizer is not None:
-            return req.detokenizer.text
-        if req.final_text is None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-            assert isinstance(text, str)  # one sequence in, one text out
-            req.final_text = text
-        return req.final_text
-
     def _forget(self, req: Request) -> None:
         group = self._groups.get(req.request_id)
         if group is not None and all(r.finished for r in group):
             del self._groups[req.request_id]
-
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        finished = req.finished
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=self._text(req),
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=req.status.value if finished else None,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics,
-            index=req.index,
-            stop_reason=req.stop_reason,
-            logprobs=_snapshot(req.logprobs),
-            prompt_logprobs=_snapshot(req.prompt_logprobs),
-            error=req.error,
-            prompt=req.prompt_text,
-            embedding=req.embedding,
-            score=req.pooling.score if req.pooling is not None else None,
-        )
 
     def shutdown(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks); it runs no step after.

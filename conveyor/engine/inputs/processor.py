@@ -64,6 +64,15 @@ class InputProcessor:
         self.tokenize_seconds = tokenize_seconds
         self.max_bytes_per_token = bytes_per_token_bound(tokenizer)
 
+    def resolve(self, prompt: Prompt | PreparedInput, params: SamplingParams | None) -> PreparedInput:
+        """What ``add_request`` runs: ``prompt`` prepared for ``params`` (default ones when None), or
+        a ``PreparedInput`` as it is, which runs with the params it was prepared for."""
+        if isinstance(prompt, PreparedInput):
+            if params is not None and params is not prompt.source_params:
+                raise ValueError("a PreparedInput runs with the params it was prepared for")
+            return prompt
+        return self.prepare(prompt, params if params is not None else SamplingParams())
+
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedInput:
         """``prompt`` for ``params``, ready; ``ValueError`` (``InputRejected`` with its code)
         naming what is wrong."""
