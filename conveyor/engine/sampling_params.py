@@ -80,6 +80,14 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_stops()
+        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        self._check_thinking()
+        self._check_pooling_and_salt()
+
+    def _check_sampling(self) -> None:
+        """The numbers that shape sampling, each within its range, and the flags booleans."""
         _check_int("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
@@ -103,6 +111,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_stops(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
         ids = self.stop_token_ids or ()
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
@@ -112,7 +122,8 @@ class SamplingParams:
         for t in ids:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
-        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+
+    def _check_thinking(self) -> None:
         if self.thinking_token_budget is not None:
             _check_int("thinking_token_budget", self.thinking_token_budget, 0, None)
         if self.thinking_delimiters is not None:
@@ -124,6 +135,8 @@ class SamplingParams:
                     raise ValueError(f"thinking_delimiters must be non-empty strings, got {text!r}")
                 check_text(text, "thinking_delimiters")
             self.thinking_delimiters = (pair[0], pair[1])
+
+    def _check_pooling_and_salt(self) -> None:
         if isinstance(self.pooling, dict):
             try:
                 self.pooling = PoolingParams(**self.pooling)
