@@ -6,7 +6,7 @@ its id: ``type * vocab_size + word``, ``encode_token_types``; a single text is a
 cross-encoder's pair has its second text's tokens at type 1, as the tokenizer says); each
 layer is bidirectional attention and a GELU feed-forward block, each followed
 by a residual add and a LayerNorm (post-LN). The output is the last layer's hidden states,
-which ``conveyor.engine.pooling.pooler`` pools (CLS or mean, as the checkpoint's sentence-transformers files
+which ``conveyor.engine.pooling`` pools (CLS or mean, as the checkpoint's sentence-transformers files
 say); the checkpoint's pooler head, which sentence-transformers ignores, is not loaded. A
 ``*ForSequenceClassification`` checkpoint (a cross-encoder) also loads its classification
 head (``conveyor.engine.models.bert_heads``), which scoring runs on the first token.

@@ -2,7 +2,7 @@
 as transformers computes it: ``BertForSequenceClassification``'s pooler (dense, tanh) then its
 ``classifier``; ``XLMRobertaForSequenceClassification``'s ``classifier.dense``, tanh, then
 ``classifier.out_proj``. Dropout is inactive at inference. The output is the raw logits;
-the activation (``conveyor.engine.pooling.scoring``) comes after."""
+the activation (``conveyor.engine.scoring``) comes after."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What each layer's cache holds per token, and the device tensors that hold it.
 
 Every architecture's cache is ``[num_layers, parts, num_blocks, block_size, heads, width]``,
-addressed by the same block ids (``conveyor.engine.memory.kv_cache`` manages them; prefix caching and the
+addressed by the same block ids (``conveyor.engine.kv_cache`` manages them; prefix caching and the
 memory budget work in blocks, whatever a block holds). Per-head K/V is ``parts`` 2 (K then V)
 of ``num_kv_heads x head_dim``, this rank's heads under tensor parallelism. Multi-head latent
 attention (DeepSeek-V3, ``ModelSpec.mla``) caches one part of one "head": each token's

@@ -13,7 +13,7 @@ transformers' modules:
 - linear attention: ``in_proj_qkv`` through a causal depthwise conv1d and SiLU, q and k
   L2-normalised, ``beta = sigmoid(b)``, the log decay ``g = -exp(A_log) * softplus(a +
   dt_bias)``, the gated delta rule (``conveyor.kernels.gated_delta``), then an RMSNorm gated by
-  ``silu(z)`` and ``out_proj``. Its state lives in ``conveyor.engine.memory.state_cache`` slots;
+  ``silu(z)`` and ``out_proj``. Its state lives in ``conveyor.engine.state_cache`` slots;
 - the feed-forward block: a SiLU MLP, or (MoE) ``conveyor.engine.models.moe.SparseMoE`` with its
   softmax top-k router renormalised and a sigmoid-gated shared expert.
 
@@ -376,7 +376,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def make_mlp(self, index: int, dtype: torch.dtype, device: torch.device) -> FeedForward:
         return MLP(self.spec, dtype, device)
 
-    # ---- the per-request state (``conveyor.engine.memory.state_cache``) -------------------------------
+    # ---- the per-request state (``conveyor.engine.state_cache``) -------------------------------
     def state_bytes_per_seq(self, num_snapshots: int = 0) -> int:
         return (1 + num_snapshots) * self.lin.state_bytes(self.embed_tokens.element_size())
 
