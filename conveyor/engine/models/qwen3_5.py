@@ -48,12 +48,12 @@ from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.parallel_state import ParallelState
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
+from conveyor.engine.memory.state_cache import LinearStateCache
 from conveyor.engine.models.gemma import GemmaRMSNorm
 from conveyor.engine.models.hybrid_config import LinearAttentionSpec
 from conveyor.engine.models.llama import MLP, Attention, DecoderLayer, FeedForward, LlamaForCausalLM, _param
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.models.moe import SparseMoE
-from conveyor.engine.state_cache import LinearStateCache
 from conveyor.kernels import gated_delta, reference
 
 

@@ -47,15 +47,24 @@ class KernelWeight(ABC):
     def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
         """Rows (``dim`` 0) or inputs (1) ``[start, start + size)``, on scale-block boundaries."""
 
+    def splits_exactly(self, dim: int) -> bool:
+        """Whether a rank holding a part along ``dim`` computes its share of the whole layer's
+        arithmetic exactly (not so where the layer's own input scale would see only the part)."""
+        return True
+
+    def is_split_by(self, shard: Shard | None) -> bool:
+        """Whether ``shard`` is less than the whole weight."""
+        if shard is None:
+            return False
+        return merged_ranges(shard.ranges) != [(0, (self.rows, self.cols)[shard.dim])]
+
     def take(self, shard: Shard | None) -> KernelWeight:
         """This tensor-parallel rank's ``shard`` of the weight and its scales; ``ValueError``
         where a range starts or ends inside a scale block (the block would be split)."""
-        if shard is None:
+        if shard is None or not self.is_split_by(shard):
             return self
-        extent = (self.rows, self.cols)[shard.dim]
         ranges = merged_ranges(shard.ranges)
-        if ranges == [(0, extent)]:
-            return self
+        extent = (self.rows, self.cols)[shard.dim]
         block = self.scale_block()[shard.dim]
         for start, size in ranges:
             if start % block or (size % block and start + size != extent):

@@ -13,10 +13,15 @@ includes the activations' rounding.
   kernel's K tiles would straddle: those are emulated as on the CPU, slower and still exact.
 
 Pieces of a fused weight (q/k/v, gate/up) may each have their own static input scale: the
-input is quantized once per run of rows sharing one (``segments``), as each layer would."""
+input is quantized once per run of rows sharing one (``segments``), as each layer would.
+
+Under tensor parallelism a rank keeps its part where that part computes exactly what the
+whole layer would (``splits_exactly``): any split of the output rows, and a split of the
+inputs on whole input groups when the input scale is static or one a group."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,12 +88,27 @@ class W8A8Weight(KernelWeight):
         return self.weight.nbytes()
 
     def scale_block(self) -> tuple[int, int]:
-        return self.weight.scale_block()
+        rows, cols = self.weight.scale_block()
+        # A rank's inputs must also hold whole input groups, each of which has its own scale.
+        return rows, math.lcm(cols, self.act.group_size) if self.act.group_size else cols
+
+    def splits_exactly(self, dim: int) -> bool:
+        # Output rows (column parallel): every rank quantizes the whole input, as one layer
+        # would. Inputs (row parallel): a static scale or one per input group is the same on a
+        # rank's share; a per-token or per-tensor dynamic one would be the share's own.
+        return dim == 0 or self.act.strategy in ("static", "group")
 
     def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
-        # (``KeptWeights`` leaves a W8A8 weight dequantized under tensor parallelism: a rank's
-        # share of the inputs would set a different dynamic input scale.)
-        raise ValueError(f"{self.describe()} is not split over tensor-parallel ranks")
+        weight = self.weight.narrow(dim, start, size)
+        if dim == 1:
+            return W8A8Weight(weight, self.act, self.segments, self.uniform)
+        segments, at = [], 0
+        for rows, static in self.segments:
+            kept = min(at + rows, start + size) - max(at, start)
+            if kept > 0:
+                segments.append((kept, static))
+            at += rows
+        return W8A8Weight(weight, self.act, tuple(segments), self.uniform)
 
     def to(self, device: torch.device) -> W8A8Weight:
         return W8A8Weight(self.weight.to(device), self.act, self.segments, self.uniform)

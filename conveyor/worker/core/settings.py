@@ -9,7 +9,7 @@ transport on SQLite as the broker. Production sets ``CONVEYOR_DATABASE_URL`` (Po
 
 The fields live in their groups (``conveyor.worker.core.setting_groups``: services, job
 limits, API, quotas, sharding, worker, model cache, broker, faults, submissions, cache
-sharing, reasoning, metrics, processes); ``Settings`` inherits them all, so each keeps its
+sharing, reasoning, webhooks, metrics, processes); ``Settings`` inherits them all, so each keeps its
 flat name (``settings.max_upload_bytes``) and its variable (``CONVEYOR_MAX_UPLOAD_BYTES``),
 and holds the rules across groups.
 
@@ -44,12 +44,13 @@ from conveyor.worker.core.setting_groups.reasoning import ReasoningSettings
 from conveyor.worker.core.setting_groups.services import ServiceSettings
 from conveyor.worker.core.setting_groups.sharding import ShardingSettings
 from conveyor.worker.core.setting_groups.submissions import SubmissionSettings
+from conveyor.worker.core.setting_groups.webhooks import WebhookSettings
 from conveyor.worker.core.setting_groups.worker import WorkerSettings
 
 _SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
 _URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
 # Secrets that are not URLs: shown as "***" when set.
-_SECRET_FIELDS = ("metrics_token", "unowned_cache_salt")
+_SECRET_FIELDS = ("metrics_token", "unowned_cache_salt", "webhook_secret")
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,7 @@ def redact_url(url: str | None) -> str | None:
 class Settings(
     ProcessSettings,
     MetricsSettings,
+    WebhookSettings,
     ReasoningSettings,
     CacheSharingSettings,
     SubmissionSettings,
@@ -119,6 +121,8 @@ class Settings(
                 f"CONVEYOR_HEARTBEAT_SECONDS={self.heartbeat_seconds} must be at most half of "
                 f"CONVEYOR_LEASE_SECONDS={self.lease_seconds}, or a slow heartbeat loses the lease"
             )
+        if self.webhook_urls and not self.webhook_secret:
+            raise ValueError("CONVEYOR_WEBHOOK_URLS needs CONVEYOR_WEBHOOK_SECRET (whsec_...) to sign the events")
         if self.default_max_tokens > self.max_tokens:
             raise ValueError(
                 f"CONVEYOR_DEFAULT_MAX_TOKENS={self.default_max_tokens} exceeds CONVEYOR_MAX_TOKENS={self.max_tokens}"
@@ -146,6 +150,7 @@ class Settings(
             data[name] = redact_url(data[name])
         for name in _SECRET_FIELDS:
             data[name] = "***" if data[name] else data[name]
+        data["webhook_urls"] = [redact_url(url) for url in self.webhook_urls]  # a token may ride in a query
         data["resolved"] = {
             "database": redact_url(self.database),
             "broker": redact_url(self.broker),
@@ -157,6 +162,8 @@ class Settings(
         for name, value in super().__repr_args__():
             if name in _SECRET_FIELDS and value:
                 value = "***"
+            if name == "webhook_urls":
+                value = tuple(redact_url(url) for url in value)
             yield name, (redact_url(value) if name in _URL_FIELDS else value)
 
 

@@ -1,4 +1,4 @@
-"""``conveyor``: run | submit | worker | serve | keys | status | results | cancel | db upgrade | bench.
+"""``conveyor``: run | submit | worker | serve | keys | webhooks | status | results | cancel | db upgrade | bench.
 
 One module per command group adds its parser (``add_parser``) and holds its command; this
 package assembles them (``build_parser``) and runs one (``main``).
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from conveyor.worker.core.terminal_text import printable
-from conveyor.worker.entrypoints.cli import bench, db, jobs, keys, results, run, serve, submit, worker
+from conveyor.worker.entrypoints.cli import bench, db, jobs, keys, results, run, serve, submit, webhooks, worker
 from conveyor.worker.entrypoints.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, describe, user_error_types
 from conveyor.worker.entrypoints.cli.extra import missing_extra
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     serve.add_parser(sub)
     keys.add_parser(sub)
+    webhooks.add_parser(sub)
     db.add_parser(sub)
     return p
 

@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from conveyor.engine.bench import TokenRange, format_result, run_bench  # the engine (see the package docstring)
+    from conveyor.testing.bench import TokenRange, format_result, run_bench  # the engine (see the package docstring)
 
     settings = load_settings()
     if is_model_uri(args.model):  # weights in an object store: the local copy (downloaded once)
@@ -60,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def bench_cold_start(settings: Settings, args: argparse.Namespace) -> int:
-    from conveyor.engine.bench import format_cold_start, run_cold_start
+    from conveyor.testing.bench import format_cold_start, run_cold_start
     from conveyor.worker.execution.context import engine_config
 
     # The engine exactly as a worker builds it: its EngineConfig, CONVEYOR_ENGINE_ARGS applied.
