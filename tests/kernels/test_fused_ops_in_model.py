@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.models.llama import MLP, RMSNorm, kernel_ops, use_kernel_ops
+from conveyor.engine.models.layers import MLP, RMSNorm, kernel_ops, use_kernel_ops
 from conveyor.engine.testing import build_tiny_model
 from conveyor.kernels import reference
 

@@ -37,7 +37,7 @@ import torch
 from conveyor.engine.distributed.sharding import Shard
 from conveyor.engine.models import gguf_2026
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
+from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.models.registry import model_class
 from conveyor.engine.quantization.kernel_weights import KernelWeight, Q4KWeight, Q8_0Weight
 
@@ -87,6 +87,7 @@ _GEMMA_TENSORS = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 # Stacked experts -> the index of the expert's name in ``MoEForCausalLM.expert_names``.
 _EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # LongRoPE's factors: read into the spec, not weights.
@@ -313,7 +314,7 @@ def _hf_names(name: str, spec: ModelSpec, experts: int) -> list[str] | None:
     table = _LAYER_TENSORS
     if spec.model_type == "phi3":
         table = _PHI3_TENSORS
-    elif spec.model_type in GEMMA_MODEL_TYPES:
+    elif spec.model_type in _GEMMA_MODEL_TYPES:
         table = _GEMMA_TENSORS
     hf = table.get(part)
     return None if hf is None else [f"{prefix}{hf}.{kind}"]
@@ -362,7 +363,7 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, Callab
         return
     experts = spec.moe.num_experts if spec.moe is not None else 0
     permuted = spec.model_type in ("llama", "mixtral")
-    gemma = spec.model_type in GEMMA_MODEL_TYPES
+    gemma = spec.model_type in _GEMMA_MODEL_TYPES
     for tensor in reader.tensors:
         if tensor.name in _ROPE_FACTORS:
             continue  # already in the spec
