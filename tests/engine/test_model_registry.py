@@ -17,6 +17,7 @@ import pytest
 
 import conveyor.engine.models as models_package
 from conveyor.engine import SamplingParams
+from conveyor.engine.models import family as families_found
 from conveyor.engine.models import registry
 from conveyor.engine.models.family import Family
 from conveyor.engine.models.llama import LlamaForCausalLM
@@ -41,16 +42,16 @@ def _family_modules() -> dict[str, Family]:
 def test_every_family_module_registers_itself_and_reads_its_own_config() -> None:
     declared = _family_modules()
     assert len(declared) >= 12  # llama, phi3, moe, gemma, gemma4, glm4_moe, gpt_oss, smollm3, olmo3, ...
-    assert sorted(map(id, registry.families())) == sorted(map(id, declared.values()))
+    assert sorted(map(id, families_found.families())) == sorted(map(id, declared.values()))
     for module, family in declared.items():
         assert family.read_config.__module__ == f"{models_package.__name__}.{module}", module
 
 
 def test_the_supported_architectures_are_the_families_declarations() -> None:
-    declared = [a for family in registry.families() for a in family.architectures]
+    declared = [a for f in families_found.families() for a in f.architectures]
     assert {a.name: a.model_type for a in declared} == registry.SUPPORTED_ARCHITECTURES
     assert {a.name: a.model_class for a in declared} == registry.MODEL_CLASSES
-    readers = [t for family in registry.families() for t in family.model_types]
+    readers = [t for f in families_found.families() for t in f.model_types]
     assert len(readers) == len(set(readers)), "a model_type is read by two families"
 
 
@@ -64,7 +65,7 @@ def _strings(path: Path) -> set[str]:
 
 def test_the_central_files_name_no_family() -> None:
     names = set(registry.SUPPORTED_ARCHITECTURES) | set(registry.SUPPORTED_ARCHITECTURES.values())
-    names |= {wrapper for family in registry.families() for wrapper in family.wrappers}
+    names |= {wrapper for f in families_found.families() for wrapper in f.wrappers}
     for file in CENTRAL_FILES:
         named = sorted(_strings(MODELS_DIR / file) & names)
         assert not named, f"{file} names families {named}: that knowledge belongs in the family's module"
@@ -73,9 +74,9 @@ def test_the_central_files_name_no_family() -> None:
 TOY_FAMILY = '''
 """A family added by one file, as docs/engine/adding-a-family.md walks through."""
 
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec
 
 
 class ToyForCausalLM(LlamaForCausalLM):
@@ -92,20 +93,15 @@ FAMILY = Family(architectures=(Architecture("ToyForCausalLM", "toy", ToyForCausa
 '''
 
 
-def _clear_registry() -> None:
-    for cached in (registry.families, registry.architectures, registry._readers, registry._wrappers):
-        cached.cache_clear()
-
-
 @pytest.fixture
 def toy_family(tmp_path, monkeypatch):
     """A new family module on the package's path (the tree itself is left as it is)."""
     (tmp_path / "toy.py").write_text(textwrap.dedent(TOY_FAMILY))
     monkeypatch.setattr(models_package, "__path__", [*models_package.__path__, str(tmp_path)])
-    _clear_registry()
+    families_found.clear_cache()
     yield importlib.import_module(f"{models_package.__name__}.toy")
     sys.modules.pop(f"{models_package.__name__}.toy", None)
-    _clear_registry()
+    families_found.clear_cache()
 
 
 def test_a_family_added_as_one_module_is_served(toy_family, tiny_models, tmp_path, make_llm) -> None:

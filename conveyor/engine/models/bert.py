@@ -29,8 +29,8 @@ from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.distributed.sharding import WeightSlot
 from conveyor.engine.models.bert_heads import ClassifierHead
-from conveyor.engine.models.family import Architecture, Family
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, checkpoint_dtype
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.model_config import ModelSpec, checkpoint_dtype
 from conveyor.kernels.utils import cdiv
 
 log = logging.getLogger(__name__)

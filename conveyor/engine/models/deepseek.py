@@ -27,7 +27,7 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, head_shard
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
 from conveyor.engine.models.kv_layout import LayerCache
 from conveyor.engine.models.layers import (
@@ -39,7 +39,7 @@ from conveyor.engine.models.layers import (
     _param,
 )
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, MLASpec, ModelSpec, MoESpec, decoder_spec
+from conveyor.engine.models.model_config import MLASpec, ModelSpec, MoESpec, decoder_spec
 from conveyor.engine.models.yarn import yarn_mscale
 
 

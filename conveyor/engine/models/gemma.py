@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.engine.distributed.sharding import WeightSlot
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
 from conveyor.engine.models.multimodal import gemma_language_model_config, language_model_name
 
 

@@ -31,12 +31,12 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.gemma import gemma_fields
 from conveyor.engine.models.gemma4_spec import Gemma4Spec
 from conveyor.engine.models.layers import RMSNorm, _param
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec
 from conveyor.engine.models.moe import moe_sorted
 from conveyor.engine.models.multimodal import gemma_language_model_config, language_model_name
 

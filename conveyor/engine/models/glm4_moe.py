@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
 from conveyor.engine.models.layers import DecoderLayer
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, MoESpec, decoder_spec
+from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec
 from conveyor.engine.models.moe import MoEForCausalLM
 
 

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, split
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import Attention, DecoderLayer, FeedForward, RMSNorm, _param
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, MoESpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec, sliding_per_layer
 from conveyor.engine.models.moe import SparseMoE, fused_moe_kernel
 from conveyor.engine.quantization.kept import linear_device
 from conveyor.kernels.reference import ClampedSwiGLU, Mxfp4Weight

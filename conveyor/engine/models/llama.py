@@ -11,10 +11,9 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, vocab_shard
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding, _param
 from conveyor.engine.models.model_config import (
-    CheckpointConfig,
     ModelSpec,
     decoder_spec,
     sliding_every_layer,

@@ -1,6 +1,6 @@
 """The architecture facts the engine needs, read from a checkpoint's ``config.json``: what
 every family reads alike. Each family reads its own fields in its module (its ``FAMILY``'s
-``read_config``, found through ``conveyor.engine.models.registry``), mostly by calling
+``read_config``, found by ``conveyor.engine.models.family``), mostly by calling
 ``decoder_spec`` with them.
 
 Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
@@ -18,23 +18,15 @@ from typing import Any
 
 import torch
 
+from conveyor.engine.models import family
 from conveyor.engine.models.config_defaults import with_transformers_defaults
+from conveyor.engine.models.family import CheckpointConfig
 from conveyor.engine.models.gemma4_spec import Gemma4Spec
 from conveyor.engine.models.hybrid_config import LinearAttentionSpec
 from conveyor.engine.models.yarn import yarn_inv_freq, yarn_mscale
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """What a family's ``read_config`` reads: the config (transformers' defaults filled in),
-    the supported architecture it names, and the EOS ids (``generation_config.json``'s first)."""
-
-    values: dict[str, Any]
-    architecture: str
-    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -118,22 +110,23 @@ class ModelSpec:
 
     @classmethod
     def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
-        from conveyor.engine.models import registry  # (its families import this module)
-
         gen = gen or {}
-        cfg = registry.language_model_config(cfg)  # a multimodal checkpoint's language model
+        cfg = family.language_model_config(cfg)  # a multimodal checkpoint's language model
         model_type = cfg.get("model_type")
-        architecture = _architecture(cfg, registry.supported_architectures())
-        read = registry.config_reader(str(model_type))
+        architecture = _architecture(cfg, family.supported_architectures())
+        read = family.config_reader(str(model_type))
         if read is None:
-            supported = tuple(registry.supported_architectures().values())
+            supported = tuple(family.supported_architectures().values())
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
             raise ValueError("multimodal checkpoints are not supported")
         cfg = with_transformers_defaults(cfg)
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return read(CheckpointConfig(cfg, architecture, eos_ids))
+        spec = read(CheckpointConfig(cfg, architecture, eos_ids))
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"the {model_type} family's read_config returned a {type(spec).__name__}, not a ModelSpec")
+        return spec
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer ``index`` (None: it attends to the whole context)."""

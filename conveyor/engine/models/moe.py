@@ -28,11 +28,10 @@ import torch.nn.functional as F
 
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, split
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import MLP, DecoderLayer, FeedForward, _param
 from conveyor.engine.models.llama import LlamaForCausalLM
 from conveyor.engine.models.model_config import (
-    CheckpointConfig,
     ModelSpec,
     MoESpec,
     decoder_spec,

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.gpt_oss import GptOssRMSNorm
 from conveyor.engine.models.layers import Attention, DecoderLayer, RotaryEmbedding, _param
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
 
 
 class Olmo3Attention(Attention):

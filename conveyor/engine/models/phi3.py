@@ -6,10 +6,10 @@ Only the weight names differ from Llama."""
 from __future__ import annotations
 
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import MLP, DecoderLayer
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec, sliding_every_layer
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_every_layer
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -44,8 +44,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 def read_config(config: CheckpointConfig) -> ModelSpec:
-    """Phi-3 never biases its projections (``attention_bias`` aside), slides every layer when
-    it has a window, and calls LongRoPE by its old names (``su``, ``yarn``)."""
+    """Phi-3 biases no projection, whatever ``attention_bias`` says; it slides every layer
+    when it has a window, and calls LongRoPE by its old names (``su``, ``yarn``)."""
     return decoder_spec(
         config,
         rope_aliases={"su": "longrope", "yarn": "longrope"},

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from conveyor.engine.attention.base import AttentionBackend
-from conveyor.engine.models.family import Architecture, Family
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import CheckpointConfig, ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
 
 
 def no_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
