@@ -69,7 +69,7 @@ Meta = Callable[..., Any]  # ``meta(key, default)``: the file's ``<arch>.<key>``
 Tensors = Iterator[tuple[str, str, torch.Tensor]]  # (file name, transformers name, float32)
 
 # GGUF tensor names (after ``blk.N.``) -> transformers' names (after ``model.layers.N.``).
-_LAYER_TENSORS = {
+_BLOCK = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -81,6 +81,9 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSORS = {
+    **_BLOCK,
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -103,20 +106,7 @@ _DEFAULT_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE``: 1 softmax, 2 sigmoid.
 _SIGMOID_GATING = 2
 
-_ATTENTION = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+_ATTENTION = {**_BLOCK, "post_attention_norm": "post_attention_layernorm"}
 # GLM-4.5 and DeepSeek-V3's sparse layers: router, correction bias, ungated shared experts.
 _ROUTED = {
     **_ATTENTION,

@@ -33,8 +33,8 @@ from conveyor.engine.distributed.sharding import Shard, WeightSlot, split
 from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.layers import Attention, DecoderLayer, FeedForward, RMSNorm, _param
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec, sliding_per_layer
-from conveyor.engine.models.moe import SparseMoE, fused_moe_kernel
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.moe import SparseMoE, every_layer_sparse, fused_moe_kernel
 from conveyor.engine.quantization.kept import linear_device
 from conveyor.kernels.reference import ClampedSwiGLU, Mxfp4Weight
 
@@ -212,16 +212,9 @@ def read_config(config: CheckpointConfig) -> ModelSpec:
     the clamped SwiGLU's constants."""
     cfg = config.values
     layers = int(cfg["num_hidden_layers"])
-    moe = MoESpec(
-        num_experts=int(cfg["num_local_experts"]),
-        top_k=int(cfg["num_experts_per_tok"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        renormalize=True,
-        sparse_layers=tuple(range(layers)),
-    )
     return decoder_spec(
         config,
-        moe=moe,
+        moe=every_layer_sparse(cfg, fp32_weights=False),
         o_bias=bool(cfg.get("attention_bias", False)),
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),

@@ -238,15 +238,7 @@ def read_config(config: CheckpointConfig) -> ModelSpec:
     cfg = config.values
     model_type, bias, layers = cfg["model_type"], bool(cfg.get("attention_bias", False)), int(cfg["num_hidden_layers"])
     if model_type == "mixtral":
-        moe = MoESpec(
-            num_experts=int(cfg["num_local_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            renormalize=True,
-            sparse_layers=tuple(range(layers)),
-            fp32_weights=True,
-        )
-        return decoder_spec(config, moe=moe, **sliding_every_layer(cfg))
+        return decoder_spec(config, moe=every_layer_sparse(cfg, fp32_weights=True), **sliding_every_layer(cfg))
     windowed = bool(cfg.get("use_sliding_window"))
     if model_type == "qwen3_moe":
         return decoder_spec(
@@ -263,6 +255,19 @@ def read_config(config: CheckpointConfig) -> ModelSpec:
         moe=qwen_moe(cfg, shared_expert=True, renormalize=False),
         qkv_bias=bool(cfg.get("qkv_bias", True)) or bias,
         **(sliding_per_layer(cfg, lambda: alternate) if windowed else sliding_every_layer({})),
+    )
+
+
+def every_layer_sparse(cfg: dict, *, fp32_weights: bool) -> MoESpec:
+    """Every layer a mixture of ``num_local_experts`` experts of ``intermediate_size``, the
+    top-k weights renormalised (Mixtral, gpt-oss)."""
+    return MoESpec(
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        renormalize=True,
+        sparse_layers=tuple(range(int(cfg["num_hidden_layers"]))),
+        fp32_weights=fp32_weights,
     )
 
 
