@@ -65,7 +65,7 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
-    # SmolLM3: which layers turn their queries and keys with RoPE (None: every layer; the
+    # Which layers turn their queries and keys with RoPE (None: every layer; the
     # others are NoPE layers).
     rope_layers: tuple[bool, ...] | None = None
     # gpt-oss's experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
