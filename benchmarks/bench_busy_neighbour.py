@@ -6,12 +6,12 @@ splits its work over the intra-op threads and waits for the last, so a thread th
 CPU with a busy process slows every step down.
 
 Two engines load the same model, each allowed every CPU this process may use
-(``conveyor.engine.cpu_threads``):
+(``conveyor.engine.runner.cpu_threads``):
 
 - ``fixed``: torch's threads fixed at that count (``cpu_threads=N``), which is what the engine
   did before it tuned them;
 - ``tuned``: the default, the count measured step by step under that ceiling
-  (``conveyor.engine.thread_tuner``).
+  (``conveyor.engine.runner.thread_tuner``).
 
 Each runs the same workload quiet, and beside a neighbour (a process spinning on one CPU),
 for ``--rounds`` rounds in an order that rotates; the fastest run of each configuration
@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks.bench_continuous_batching import SIZES, run_engine, workload
 from benchmarks.common import bench_model, write_results
 from conveyor.engine import LLM
-from conveyor.engine.cpu_threads import cpu_budget
+from conveyor.engine.runner.cpu_threads import cpu_budget
 
 NEIGHBOUR = "while True: pass"  # one CPU, all of it, all the time
 # Requests and the longest output per model size: enough steps that a run lasts seconds, not

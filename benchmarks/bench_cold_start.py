@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.bench_continuous_batching import SIZES
 from benchmarks.common import bench_model, write_results
-from conveyor.engine.bench import format_cold_start, run_cold_start
+from conveyor.testing.bench import format_cold_start, run_cold_start
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.execution.context import engine_config
 

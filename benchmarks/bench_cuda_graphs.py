@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager": LLM(str(model), enforce_eager=True, **common),
     }
     if dry:
-        from conveyor.engine.cuda_graphs import CallingGraph
+        from conveyor.engine.runner.cuda_graphs import CallingGraph
 
         engines["graphs"].engine.runner.capture_decode_graphs(graph_factory=CallingGraph)
     assert engines["graphs"].engine.runner.graphs is not None

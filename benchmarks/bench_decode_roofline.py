@@ -29,7 +29,7 @@ import torch
 from benchmarks.bench_attention import bench_decode
 from benchmarks.common import RESULTS, copy_bandwidth_gbs, gpu_tag, interpret_kernels_without_gpu, machine_info
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.testing import build_shaped_model, shaped_model_dir
+from conveyor.testing.tiny_models import build_shaped_model, shaped_model_dir
 
 SHAPE = "qwen3-0.6b"
 # Tokens beyond the context a point's requests may reach: the first decode while the last are

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import RESULTS, write_results
 from conveyor.engine import LLM
-from conveyor.engine.testing import _WORDS, add_sentence_transformers_files, build_tiny_encoder, build_tiny_model
+from conveyor.testing.tiny_models import _WORDS, add_sentence_transformers_files, build_tiny_encoder, build_tiny_model
 
 # Each family's pooling, as its released embedders have it.
 POOLING = {"qwen3": "last", "bert": "cls"}

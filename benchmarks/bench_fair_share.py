@@ -46,7 +46,7 @@ import psycopg
 import uvicorn
 
 from benchmarks.common import write_results
-from conveyor.engine.testing import build_tiny_model
+from conveyor.testing.tiny_models import build_tiny_model
 from conveyor.worker.api.app import create_app
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.store.api_keys import create_key

@@ -9,7 +9,7 @@ concurrency is how many requests of a given context fit in what an 80 GB card ha
 the weights at ``gpu_memory_utilization`` 0.9 (activations and the CUDA context left out:
 the same for both).
 
-Throughput: the tiny random-weight Qwen3.5 checkpoint (``conveyor.engine.testing``), float32 on CPU,
+Throughput: the tiny random-weight Qwen3.5 checkpoint (``conveyor.testing.tiny_models``), float32 on CPU,
 greedy decode of one sequence in our engine and in transformers' ``generate``, and a batch of
 8 in the engine. Writes benchmarks/results/hybrid.json.
 
@@ -93,7 +93,7 @@ def decode_throughput(new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
-    from conveyor.engine.testing import build_tiny_model
+    from conveyor.testing.tiny_models import build_tiny_model
 
     path = build_tiny_model("/tmp/conveyor-bench-qwen3_5", "qwen3_5", num_layers=4)
     prompt = list(range(10, 42))

@@ -133,7 +133,7 @@ def run_one(client: Client, workers: list[WorkerContext], shape: shapes.Shape, o
 
 def run_engines(root: Path, scale: int) -> list[dict[str, Any]]:
     # Imported here: the intake children measure their peak memory without torch loaded.
-    from conveyor.engine.testing import build_tiny_model
+    from conveyor.testing.tiny_models import build_tiny_model
     from conveyor.worker.core.settings import Settings
     from conveyor.worker.entrypoints.client import Client
     from conveyor.worker.execution.context import WorkerContext

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import RESULTS, gpu_tag, write_results
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.testing import build_tiny_model, build_truncated_draft
+from conveyor.testing.tiny_models import build_tiny_model, build_truncated_draft
 
 SIZES: dict[str, Any] = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536)
 DRAFT_LAYERS = 2

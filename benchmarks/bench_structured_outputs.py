@@ -28,7 +28,7 @@ import torch
 from benchmarks.bench_continuous_batching import SIZES
 from benchmarks.common import bench_model, write_results
 from conveyor.engine import LLM, SamplingParams, StructuredOutputs
-from conveyor.engine.structured_outputs import StructuredOutputManager
+from conveyor.engine.structured.structured_outputs import StructuredOutputManager
 
 _S = {"type": "string", "maxLength": 16}
 SCHEMAS: dict[str, dict[str, Any]] = {

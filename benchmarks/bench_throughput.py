@@ -4,7 +4,7 @@ side by side on one machine in one run.
 
 The workload is nano-vllm's ``bench.py``: random token ids below 10,000, prompt and output
 lengths each uniform in 100..1024, EOS ignored, temperature 0.6. The model has Qwen3-0.6B's
-shape with random weights (``conveyor.engine.testing.REAL_SHAPES``). Static batching runs the sequences
+shape with random weights (``conveyor.testing.tiny_models.REAL_SHAPES``). Static batching runs the sequences
 in arrival order, ``--static-batch`` at a time, each batch to its longest output; only the
 tokens each sequence asked for count. Each system runs in its own process, so one model and
 one cache hold the GPU at a time, and gets its own time limit: whichever finish are reported.
@@ -36,7 +36,7 @@ import torch
 from transformers import StoppingCriteria
 
 from benchmarks.common import RESULTS, gpu_tag, machine_info
-from conveyor.engine.testing import DRY_RUN_SHAPE, build_shaped_model, shaped_model_dir
+from conveyor.testing.tiny_models import DRY_RUN_SHAPE, build_shaped_model, shaped_model_dir
 
 SHAPE = "qwen3-0.6b"
 SYSTEMS = ("engine", "hf_static", "hf_continuous")

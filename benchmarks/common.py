@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from conveyor.engine.testing import build_tiny_model
 from conveyor.kernels.interpreter import enable_interpreter
+from conveyor.testing.tiny_models import build_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -78,6 +78,19 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# What a side needs to run: the package (one ``conveyor`` since the namespace move; the three
+# top-level packages before it) and the benchmarks.
+CODE_PATHS = ("conveyor", "engine", "kernels", "benchmarks")
+
+
+def _code_paths(rev: str) -> list[str]:
+    """Those of ``CODE_PATHS`` that exist at ``rev``."""
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, *CODE_PATHS], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return listed.stdout.split()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="515c7f8", help="the revision to compare against")
@@ -101,12 +114,12 @@ def main() -> None:
     head_rev = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain", "engine"], cwd=ROOT, capture_output=True, text=True)
+    status = subprocess.run(["git", "status", "--porcelain", "conveyor"], cwd=ROOT, capture_output=True, text=True)
     dirty = bool(status.stdout)
     with tempfile.TemporaryDirectory(prefix="conveyor-base-") as tmp:
         base_tree = Path(tmp)
         archive = subprocess.run(
-            ["git", "archive", "--format=tar", args.base, "engine", "kernels", "benchmarks"],
+            ["git", "archive", "--format=tar", args.base, *_code_paths(args.base)],
             cwd=ROOT,
             capture_output=True,
             check=True,

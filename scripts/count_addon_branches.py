@@ -1,6 +1,6 @@
 """Count the branches inside the engine's core (scheduler, engine loop, runner) that exist only
 for an add-on: speculative decoding, tensor parallelism, CUDA graphs, prompt logprobs,
-structured outputs, the prefill chunk budget and sliding-window release.
+structured outputs, the prefill chunk budget, the CPU thread tuner and sliding-window release.
 
 How it counts. Each core file is parsed (``ast``), at a git revision or in the working tree.
 A *branch* is an ``if`` statement, a conditional expression (``a if c else b``), a ``while``
@@ -13,11 +13,14 @@ below; ``spec`` as an attribute (``self.spec``, the model's ``ModelSpec`` on old
 and ``model_spec`` do not count as speculative decoding. A branch is counted once, for the
 first add-on it matches, in the order below.
 
-The core files: ``conveyor/engine/scheduler.py``, ``conveyor/engine/llm_engine.py``, ``conveyor/engine/model_runner.py``
-and, where it exists, ``conveyor/engine/batch.py`` (the batch builder split out of the runner). The
-modules where add-ons plug in (``conveyor/engine/executors.py``, the row hooks, ``conveyor/engine/spec_decode``,
-the waiting queues) are the seams, not the core; ``--seams`` counts ``conveyor/engine/executors.py``
-too, for reference.
+A branch nested in an add-on's branch (an ``if`` in the body of ``if lookahead:``) is that
+add-on's too, as everything in a function named for it is.
+
+The core files: the scheduler and the engine loop (``conveyor/engine/core/``), the model runner
+and its batch builder (``conveyor/engine/runner/``), each read at its path of the revision (flat
+in ``engine/`` before the subsystem folders). The modules where add-ons plug in (the
+executors, the row hooks, ``conveyor/engine/spec_decode``, the waiting queues) are the seams,
+not the core; ``--seams`` counts ``conveyor/engine/runner/executors.py`` too, for reference.
 
     python scripts/count_addon_branches.py                 # the working tree
     python scripts/count_addon_branches.py --rev 515c7f8   # a revision
@@ -36,20 +39,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("engine/scheduler.py", "engine/llm_engine.py", "engine/model_runner.py", "engine/batch.py")
-SEAMS = ("engine/executors.py",)
+# Each file by its name in the report, then where it has lived: its subsystem folder, flat in engine/.
+CORE: dict[str, tuple[str, ...]] = {
+    "scheduler.py": ("engine/core/scheduler.py", "engine/scheduler.py"),
+    "llm_engine.py": ("engine/core/llm_engine.py", "engine/llm_engine.py"),
+    "model_runner.py": ("engine/runner/model_runner.py", "engine/model_runner.py"),
+    "batch.py": ("engine/runner/batch.py", "engine/batch.py"),
+}
+SEAMS: dict[str, tuple[str, ...]] = {"executors.py": ("engine/runner/executors.py", "engine/executors.py")}
 WORKTREE = "WORKTREE"
 
 # Add-on -> a pattern an identifier (a name or an attribute) of its state matches in full.
 ADDONS: dict[str, str] = {
     "speculative decoding": (
         r"spec|speculat\w*|spec_\w+|\w+_spec_\w*|\w*lookahead\w*|\w*draft\w*|verif\w*|\w*verify\w*|propos\w*"
+        r"|new_tokens|\w*rejected\w*"  # a step's multi-token outputs: accepted proposals, rejected ones rolled back
     ),
     "tensor parallelism": r"ranks|rank|tp|tensor_parallel\w*|world_size|\w*_parallel",
     "CUDA graphs": r"\w*graphs?\w*|enforce_eager|bucket",
     "prompt logprobs": r"\w*prompt_logprob\w*|prompt_plans|prompt_rows",
     "structured outputs": r"\w*grammar\w*|\w*structured\w*",
-    "chunk budget": r"chunk_controller|chunks|prefills|target_itl\w*|prefill_left|_prefill_budget",
+    "chunk budget": r"chunk_controller|chunks|prefills|target_itl\w*|prefill_left|_prefill_budget|prefill",
+    "thread tuner": r"\w*tuner\w*|tunable",
     "window release": r"\w*window\w*",
 }
 # Identifiers that look like an add-on's but are not (the model's ModelSpec).
@@ -108,12 +119,13 @@ class _Visitor(ast.NodeVisitor):
         self.count = count
         self.function_addon: list[str | None] = [None]
 
-    def _record(self, node: ast.AST, addon: str | None) -> None:
+    def _record(self, node: ast.AST, addon: str | None) -> str | None:
         addon = addon or self.function_addon[-1]
         if addon is not None:
             self.count.by_addon[addon] += 1
             self.count.by_file[self.path] = self.count.by_file.get(self.path, 0) + 1
             self.count.where.append(f"{self.path}:{getattr(node, 'lineno', 0)} {addon}")
+        return addon
 
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self.function_addon.append(addon_of_function(node.name) or self.function_addon[-1])
@@ -124,8 +136,14 @@ class _Visitor(ast.NodeVisitor):
     visit_AsyncFunctionDef = _function
 
     def visit_If(self, node: ast.If) -> None:
-        self._record(node, addon_of_names(node.test))
-        self.generic_visit(node)
+        addon = self._record(node, addon_of_names(node.test))
+        self.visit(node.test)
+        self.function_addon.append(addon)  # the add-on's body: its branches are the add-on's
+        for child in node.body:
+            self.visit(child)
+        self.function_addon.pop()
+        for child in node.orelse:
+            self.visit(child)
 
     def visit_IfExp(self, node: ast.IfExp) -> None:
         self._record(node, addon_of_names(node.test))
@@ -149,41 +167,43 @@ class _Visitor(ast.NodeVisitor):
 PACKAGE_ROOTS = ("conveyor/", "")
 
 
-def read(rev: str, path: str) -> str | None:
-    for where in PACKAGE_ROOTS:
-        if rev == WORKTREE:
-            file = ROOT / where / path
-            if file.exists():
-                return file.read_text()
-            continue
-        done = subprocess.run(["git", "show", f"{rev}:{where}{path}"], cwd=ROOT, capture_output=True, text=True)
-        if done.returncode == 0:
-            return done.stdout
+def read(rev: str, places: tuple[str, ...]) -> str | None:
+    """The file's text at ``rev``: the first of its places (under conveyor/, or at the top before the move)."""
+    for path in places:
+        for where in PACKAGE_ROOTS:
+            if rev == WORKTREE:
+                file = ROOT / where / path
+                if file.exists():
+                    return file.read_text()
+                continue
+            done = subprocess.run(["git", "show", f"{rev}:{where}{path}"], cwd=ROOT, capture_output=True, text=True)
+            if done.returncode == 0:
+                return done.stdout
     return None
 
 
-def count(rev: str, paths: tuple[str, ...] = CORE) -> Count:
+def count(rev: str, files: dict[str, tuple[str, ...]] = CORE) -> Count:
     result = Count()
-    for path in paths:
-        source = read(rev, path)
+    for name, places in files.items():
+        source = read(rev, places)
         if source is None:
             continue
-        result.by_file[path] = 0
-        _Visitor(path, result).visit(ast.parse(source))
+        result.by_file[name] = 0
+        _Visitor(name, result).visit(ast.parse(source))
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rev", action="append", help=f"a git revision, or {WORKTREE} (default: {WORKTREE})")
-    parser.add_argument("--seams", action="store_true", help="also count engine/executors.py")
+    parser.add_argument("--seams", action="store_true", help="also count engine/runner/executors.py")
     parser.add_argument("--where", action="store_true", help="list every counted branch")
     parser.add_argument("--json", type=Path, help="write the counts here")
     args = parser.parse_args(argv)
-    paths = CORE + SEAMS if args.seams else CORE
+    files = {**CORE, **SEAMS} if args.seams else CORE
     report = {}
     for rev in args.rev or [WORKTREE]:
-        c = count(rev, paths)
+        c = count(rev, files)
         report[rev] = {"total": c.total, "by_addon": c.by_addon, "by_file": c.by_file}
         print(f"{rev}: {c.total} add-on branches")
         for addon, n in c.by_addon.items():

@@ -13,8 +13,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Both import torch: imported after OMP_NUM_THREADS is set.
-from conveyor.engine.testing import build_tiny_model
 from conveyor.kernels.interpreter import enable_interpreter
+from conveyor.testing.tiny_models import build_tiny_model
 
 # The kernels run in Triton's interpreter (CPU has no GPU to run them) unless CONVEYOR_TEST_GPU=1
 # or TRITON_INTERPRET says otherwise; chosen before anything imports triton.

@@ -16,10 +16,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "conveyor"  # the one importable package; its parts below
-PACKAGES = ("engine", "kernels", "worker")
+PACKAGES = ("engine", "kernels", "testing", "worker")
 
 # worker/'s layers, lowest first: each may import only the layers before it (and itself).
 WORKER_LAYERS = ("core", "store", "batchio", "jobs", "execution", "metrics", "broker", "api", "entrypoints")
+# The engine's runtime never imports testing/ (tiny models, the bench driver); its command line,
+# ``python -m conveyor.engine --example``, builds a tiny model with it.
+ENGINE_USES_TESTING = {"conveyor.engine.__main__"}
+
 # Modules directly under worker/ that only give public names their historic paths
 # (``celery -A conveyor.worker.app``, ``from conveyor.worker.client import Client``): they sit above every layer.
 WORKER_PUBLIC_PATHS = {"conveyor.worker", "conveyor.worker.app", "conveyor.worker.client"}
@@ -138,6 +142,10 @@ def layering_violations(graph: dict[str, list[Import]]) -> list[str]:
                     problems.append(f"{where}: kernels/ imports nothing of engine/ or worker/")
                 elif top == "engine" and target_top == "worker":
                     problems.append(f"{where}: engine/ never imports worker/")
+                elif top == "engine" and target_top == "testing" and module not in ENGINE_USES_TESTING:
+                    problems.append(f"{where}: engine/'s runtime never imports testing/")
+                elif top == "testing" and target_top == "worker":
+                    problems.append(f"{where}: testing/ never imports worker/")
                 elif top == "worker" and target_top == "worker":
                     mine, theirs = worker_layer(module), worker_layer(imp.target)
                     if theirs is None and mine is not None:
@@ -245,6 +253,8 @@ def test_an_upward_or_forbidden_import_is_found(tmp_path, monkeypatch) -> None:
             "conveyor.worker.batchio.readers": "import sqlalchemy\n",
             "conveyor.engine.llm": "from conveyor.worker.jobs import lifecycle\n",
             "conveyor.kernels.reference": "import conveyor.engine.llm\n",
+            "conveyor.engine.core.scheduler": "from conveyor.testing import tiny_models\n",
+            "conveyor.testing.tiny_models": "import conveyor.worker.jobs.lifecycle\n",
         },
         tmp_path,
         monkeypatch,
@@ -254,6 +264,8 @@ def test_an_upward_or_forbidden_import_is_found(tmp_path, monkeypatch) -> None:
     assert any("conveyor.worker.batchio must not use sqlalchemy" in p for p in problems), problems
     assert any("engine/ never imports worker/" in p for p in problems), problems
     assert any("kernels/ imports nothing" in p for p in problems), problems
+    assert any("engine/'s runtime never imports testing/" in p for p in problems), problems
+    assert any("testing/ never imports worker/" in p for p in problems), problems
 
 
 # ---- the map names every module ---------------------------------------------------------
@@ -296,3 +308,52 @@ def test_an_unmapped_module_is_found(tmp_path) -> None:
         (tmp_path / f"conveyor/engine/models/{name}.py").touch()
     text = "# Map\n\n### `conveyor/engine/`\n\n- `models/`:\n    - `llama`: the Llama family\n"
     assert unmapped_modules(tmp_path, text) == ["conveyor/engine/models/bert.py"]
+
+
+# ---- and every module the map names exists -----------------------------------------------
+
+
+def _exists(root: Path, rel: str) -> bool:
+    """A ``conveyor/...`` path the map names: a folder, a module (with or without ``.py``), or a file."""
+    path = root / rel.rstrip("/")
+    return path.exists() or path.with_suffix(".py").exists()
+
+
+def _module_under(folder: Path, name: str) -> bool:
+    """``name`` (``stem``, ``stem.py``, ``sub/``, ``sub/stem.py``): a module or folder somewhere under ``folder``."""
+    name = name.rstrip("/").removesuffix(".py")
+    return any(folder.rglob(f"{name}.py")) or any(p.is_dir() for p in folder.rglob(name))
+
+
+def unknown_modules(root: Path, text: str) -> list[str]:
+    """What the map names that the tree lacks: every ``conveyor/...`` path; in each package section,
+    the module or folder each bullet begins with; every module named in bold (the step's path)."""
+    missing = [f"`{p}`" for p in re.findall(r"`(conveyor/[\w/.]+)`", text) if not _exists(root, p)]
+    for folder, body in map_sections(text).items():
+        for name in re.findall(r"^\s*- `([a-z_0-9]+/?)`", body, flags=re.M):
+            if not _module_under(root / folder, name):
+                missing.append(f"{folder}: `{name}`")
+    for name in re.findall(r"\*\*`([\w/]+\.py)`\*\*", text):
+        if not (_exists(root, name) if name.startswith(f"{NAMESPACE}/") else _module_under(root / NAMESPACE, name)):
+            missing.append(f"**`{name}`**")
+    return missing
+
+
+def test_every_module_architecture_md_names_exists() -> None:
+    missing = unknown_modules(ROOT, (ROOT / "ARCHITECTURE.md").read_text())
+    assert not missing, "ARCHITECTURE.md names modules that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_module_the_map_names_but_the_tree_lacks_is_found(tmp_path) -> None:
+    (tmp_path / "conveyor/engine/core").mkdir(parents=True)
+    (tmp_path / "conveyor/engine/core/scheduler.py").touch()
+    text = (
+        "# Map\n\n### `conveyor/engine/`\n\n- `core/`:\n    - `scheduler`\n    - `waiting_queues`\n"
+        "- `sampler`\n\nThe loop: **`core/scheduler.py`**, **`batch.py`**; `conveyor/engine/runner/executors.py`.\n"
+    )
+    assert unknown_modules(tmp_path, text) == [
+        "`conveyor/engine/runner/executors.py`",
+        "conveyor/engine/: `waiting_queues`",
+        "conveyor/engine/: `sampler`",
+        "**`batch.py`**",
+    ]

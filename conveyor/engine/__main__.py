@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.example:
             ap.error("give --model or --example")
         if not (EXAMPLE_MODEL / "config.json").exists():
-            from conveyor.engine.testing import build_tiny_model
+            from conveyor.testing.tiny_models import build_tiny_model
 
             print(f"building a tiny random-weight model in {EXAMPLE_MODEL} ...", file=sys.stderr)
             build_tiny_model(

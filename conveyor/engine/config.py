@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conveyor.engine.admission import ADMISSION_POLICIES
-from conveyor.engine.cpu_threads import check_cpu_threads
+from conveyor.engine.core.admission import ADMISSION_POLICIES
+from conveyor.engine.core.waiting_queues import SCHEDULING_POLICIES
+from conveyor.engine.runner.cpu_threads import check_cpu_threads
 from conveyor.engine.spec_decode.config import SpeculativeConfig
-from conveyor.engine.waiting_queues import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     from conveyor.engine.models.model_config import ModelSpec
@@ -142,14 +142,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     # Long prompts are computed in chunks across steps, beside other requests' decodes.
     enable_chunked_prefill: bool = True
-    # The waiting queue's order (``conveyor.engine.waiting_queues``): fcfs, priority, prefix, srpf or edf.
+    # The waiting queue's order (``conveyor.engine.core.waiting_queues``): fcfs, priority, prefix, srpf or edf.
     scheduling_policy: str = "fcfs"
-    # Whether a waiting request may start (``conveyor.engine.admission``): ``watermark`` keeps a small
+    # Whether a waiting request may start (``conveyor.engine.core.admission``): ``watermark`` keeps a small
     # share of blocks free; ``predicted`` also requires the predicted KV need of everything
     # running, from the output lengths of finished requests, to fit.
     admission_policy: str = "watermark"
     # An inter-token latency target: the prefill tokens per step adapt to keep the p90 of
-    # the steps that carry decodes under it (``conveyor.engine.chunk_budget``). None: no target, every
+    # the steps that carry decodes under it (``conveyor.engine.core.chunk_budget``). None: no target, every
     # step may fill max_num_batched_tokens with prefill.
     target_itl_ms: float | None = None
 
@@ -178,9 +178,9 @@ class ParallelConfig:
     # Tensor parallelism: this many processes (one GPU each on CUDA) each hold a slice of
     # every layer and of the KV cache (``conveyor.engine.distributed``).
     tensor_parallel_size: int = 1
-    # torch's intra-op threads (``conveyor.engine.cpu_threads``). None: the CPUs this process may use
+    # torch's intra-op threads (``conveyor.engine.runner.cpu_threads``). None: the CPUs this process may use
     # (affinity, cgroup quota; OMP_NUM_THREADS when set), and on CPU the engine tunes the count
-    # under that ceiling from its own step times (``conveyor.engine.thread_tuner``); a number: exactly
+    # under that ceiling from its own step times (``conveyor.engine.runner.thread_tuner``); a number: exactly
     # that many, never tuned.
     cpu_threads: int | None = None
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core.llm_engine import LLMEngine, Prompt
 from conveyor.engine.errors import EngineDeadError
-from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput, ScoreOutput
-from conveyor.engine.pooling_params import PoolingParams
+from conveyor.engine.pooling.pooling_params import PoolingParams
 from conveyor.engine.sampling_params import SamplingParams
 
 Message = Mapping[str, Any]
@@ -113,30 +113,24 @@ class LLM:
         """Outputs in input order. A prompt the engine rejects (too long, bad token ids...)
         gets an output with ``finish_reason='error'`` and the reason in ``error``; the others
         run. With ``n > 1`` a prompt contributes its ``n`` samples, consecutive, by ``index``."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-
+        prompt_list, params = _batch_arguments(prompts, sampling_params, priority)
         # Only final outputs are kept here: spare the engine the per-step streaming work.
         params = [p if not p.stream else dataclasses.replace(p, stream=False) for p in params]
         engine = self.engine
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         finished: dict[tuple[str, int], RequestOutput] = {}
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompt_list, params, strict=True)):
             try:
                 engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
             except ValueError as exc:
                 for index in range(p.n):
                     finished[(rid, index)] = _error_output(rid, index, str(exc))
-        total = sum(p.n for p in params)
+        self._run_until_done(finished, sum(p.n for p in params), use_tqdm)
+        return [finished[(rid, index)] for rid, p in zip(ids, params, strict=True) for index in range(p.n)]
+
+    def _run_until_done(self, finished: dict[tuple[str, int], RequestOutput], total: int, use_tqdm: bool) -> None:
+        """Step the engine until no request is left, each final output into ``finished``."""
+        engine = self.engine
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -150,7 +144,6 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [finished[(rid, index)] for rid, p in zip(ids, params, strict=True) for index in range(p.n)]
 
     def embed(
         self,
@@ -177,7 +170,7 @@ class LLM:
     ) -> list[ScoreOutput]:
         """As vLLM's ``LLM.score``: one relevance score per pair, in input order. ``text_1``
         one string is scored against every ``text_2`` (1:N); two lists of one length pair up
-        (N:N). The model's scoring head computes it (``conveyor.engine.scoring``); a model
+        (N:N). The model's scoring head computes it (``conveyor.engine.pooling.scoring``); a model
         without one, or a pair the engine rejects, gets ``score`` None and the reason in ``error``."""
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)
@@ -191,6 +184,28 @@ class LLM:
             ScoreOutput(out.score, len(out.prompt_token_ids), out.error)
             for out in self.generate(prompts, params, use_tqdm=use_tqdm)
         ]
+
+
+def _batch_arguments(
+    prompts: Prompt | Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    priority: Sequence[int] | None,
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """``generate``'s prompts as a list (one prompt alone made a list of one) and a
+    ``SamplingParams`` for each; ``ValueError`` when a list of params or priorities does not
+    match the prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # a single prompt (token ids are a list too)
+    prompt_list = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params = [sampling_params or SamplingParams()] * len(prompt_list)
+    else:
+        params = list(sampling_params)
+        if len(params) != len(prompt_list):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+    if priority is not None and len(priority) != len(prompt_list):
+        raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+    return prompt_list, params
 
 
 def _error_output(request_id: str, index: int, message: str) -> RequestOutput:

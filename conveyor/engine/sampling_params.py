@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.engine.pooling_params import PoolingParams
-from conveyor.engine.structured_outputs import StructuredOutputs
-from conveyor.engine.text_checks import check_text
+from conveyor.engine.inputs.text_checks import check_text
+from conveyor.engine.pooling.pooling_params import PoolingParams
+from conveyor.engine.structured.structured_outputs import StructuredOutputs
 
 # Limits on user-supplied sizes and counts.
 MAX_N = 64
@@ -69,17 +69,25 @@ class SamplingParams:
     cache_salt: str | None = None
     # Reasoning models: the texts that open and close the thinking block (None: no thinking
     # handling, unless a budget is set: then ("<think>", "</think>")). The structured-output
-    # grammar then constrains only what follows the block (``conveyor.engine.thinking``).
+    # grammar then constrains only what follows the block (``conveyor.engine.structured.thinking``).
     thinking_delimiters: tuple[str, str] | list[str] | None = None
     # At most this many thinking tokens, then the closing delimiter is forced (vLLM's name).
     thinking_token_budget: int | None = None
     # An embedding request: the prompt is pooled into one vector (``RequestOutput.embedding``)
-    # instead of generating; the sampling fields are then ignored (``conveyor.engine.pooling``). A dict
+    # instead of generating; the sampling fields are then ignored (``conveyor.engine.pooling.pooler``). A dict
     # of its fields is taken too.
     pooling: PoolingParams | dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_stops()
+        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        self._check_thinking()
+        self._check_pooling_and_salt()
+
+    def _check_sampling(self) -> None:
+        """The numbers that shape sampling, each within its range, and the flags booleans."""
         _check_int("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
@@ -103,6 +111,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_stops(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
         ids = self.stop_token_ids or ()
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
@@ -112,7 +122,8 @@ class SamplingParams:
         for t in ids:
             _check_int("stop_token_ids", t, 0, None)
         self.stop_token_ids = tuple(ids)
-        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+
+    def _check_thinking(self) -> None:
         if self.thinking_token_budget is not None:
             _check_int("thinking_token_budget", self.thinking_token_budget, 0, None)
         if self.thinking_delimiters is not None:
@@ -124,6 +135,8 @@ class SamplingParams:
                     raise ValueError(f"thinking_delimiters must be non-empty strings, got {text!r}")
                 check_text(text, "thinking_delimiters")
             self.thinking_delimiters = (pair[0], pair[1])
+
+    def _check_pooling_and_salt(self) -> None:
         if isinstance(self.pooling, dict):
             try:
                 self.pooling = PoolingParams(**self.pooling)

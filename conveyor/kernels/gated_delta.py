@@ -108,7 +108,7 @@ def gated_delta_rule_chunked(
 # [T, Hv]``, ``states [num_slots, Hv, dk, dv]`` float32, updated in place at ``slots [B]``; a
 # sequence with ``fresh [B]`` true starts from a zero state. Outputs go into ``out [T, Hv, dv]``.
 #
-# Snapshots (speculative decoding's rollback, ``conveyor.engine.state_cache``): with ``snapshots
+# Snapshots (speculative decoding's rollback, ``conveyor.engine.memory.state_cache``): with ``snapshots
 # [num_slots, S, ...]`` and ``positions [B]`` (each sequence's first row's position), a sequence
 # of at most ``1 + S`` rows (a verification) also leaves the state after each of its first
 # ``min(rows, S)`` rows, the one after position ``p`` in ``snapshots[slot, p % S]``.

@@ -229,7 +229,7 @@ def _engine_flags_section() -> list[str]:
 
 def sampling_params_page() -> str:
     from conveyor.engine.sampling_params import SamplingParams
-    from conveyor.engine.structured_outputs import StructuredOutputs
+    from conveyor.engine.structured.structured_outputs import StructuredOutputs
 
     intro = [
         "# SamplingParams",

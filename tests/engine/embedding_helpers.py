@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.engine.testing import add_sentence_transformers_files, build_tiny_encoder, build_tiny_model
+from conveyor.testing.tiny_models import add_sentence_transformers_files, build_tiny_encoder, build_tiny_model
 
 # Mixed lengths: one token, a few, and longer than the chunk budgets the tests set.
 TEXTS = [

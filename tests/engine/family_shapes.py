@@ -5,7 +5,7 @@ and formats at a tiny width. Each is (the checkpoint the engine loads, the check
 
 Numbers from the published configs: Qwen3.5-9B (``test_qwen3_5.py``), gpt-oss-20b, DeepSeek-V2-Lite
 (MLA on DeepSeek-V3's code path with q_lora_rank None, as ``helpers.MODEL_CASES``), Qwen3-8B
-and Llama-3.1-8B (``conveyor.engine.testing.REAL_SHAPES``). Qwen3.5-35B-A3B: hidden 2048, 256 experts
+and Llama-3.1-8B (``conveyor.testing.tiny_models.REAL_SHAPES``). Qwen3.5-35B-A3B: hidden 2048, 256 experts
 (top 8) of 512 and the linear attention's 16/32 heads of 128 as the 9B."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from conveyor.engine.testing import build_tiny_model
+from conveyor.testing.tiny_models import build_tiny_model
 
 LINEAR_9B = dict(
     linear_num_key_heads=16,

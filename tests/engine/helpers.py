@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.step_result import StepResult
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.scheduler_output import SchedulerOutput
-from conveyor.engine.step_result import StepResult
 
 # Phi-3 with LongRoPE: 8 factors (head_dim 16), far from 1, so a wrong set changes the output;
 # max_position_embeddings 512 over 128 makes the factor 4 (attention factor ~1.13).
@@ -88,7 +88,7 @@ def assert_no_leaks(engine) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv._blocks and not engine._groups
     assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
-    state = getattr(kv, "state", None)  # a hybrid model's state slots (``conveyor.engine.state_memory``)
+    state = getattr(kv, "state", None)  # a hybrid model's state slots (``conveyor.engine.memory.state_memory``)
     if state is not None:
         assert kv.num_free_state_slots == state.num_slots, "state slots leaked"
         assert bool((state.slot_of_block == -1).all()), "a KV block still names a state slot"

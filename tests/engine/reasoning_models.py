@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.engine.testing import build_tiny_model
+from conveyor.testing.tiny_models import build_tiny_model
 
 ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 

@@ -27,7 +27,7 @@ def build_cross_encoder(path: Path, family: str, *, activation: str | None = Non
     import transformers
     from tokenizers import processors
 
-    from conveyor.engine.testing import ENCODER_FAMILIES, _randomize, build_tiny_encoder_tokenizer
+    from conveyor.testing.tiny_models import ENCODER_FAMILIES, _randomize, build_tiny_encoder_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_encoder_tokenizer(path, family)
@@ -76,7 +76,7 @@ def qwen3_reranker_reference(path: str, tokens: list[str], pairs: list[tuple[str
     over the published prompt, the softmax over the [false, true] tokens' last logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conveyor.engine.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
+    from conveyor.engine.pooling.scoring import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, qwen3_reranker_text
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

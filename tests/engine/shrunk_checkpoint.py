@@ -169,11 +169,11 @@ def _ints(value: Any) -> list[int]:
 def build_shrunk_checkpoint(path: str | Path, published: str | Path, *, seed: int = 0, init_std: float = 0.5) -> Path:
     """A random-weight checkpoint at ``path`` from the published files in ``published``:
     its config.json shrunk (``shrink_config``) and written as such, a trained tokenizer
-    (``conveyor.engine.testing``), transformers' model of that config with random weights, and
+    (``conveyor.testing.tiny_models``), transformers' model of that config with random weights, and
     the published generation_config.json as it is."""
     import transformers
 
-    from conveyor.engine.testing import _randomize, build_tiny_encoder_tokenizer, build_tokenizer
+    from conveyor.testing.tiny_models import _randomize, build_tiny_encoder_tokenizer, build_tokenizer
 
     path, published = Path(path), Path(published)
     path.mkdir(parents=True, exist_ok=True)

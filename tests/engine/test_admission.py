@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conveyor.engine import EngineConfig, SamplingParams
-from conveyor.engine.admission import PredictedAdmission
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.output_length import OUTPUT_LENGTH_MIN_SAMPLES, OutputLengthEstimator
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.core.admission import PredictedAdmission
+from conveyor.engine.core.output_length import OUTPUT_LENGTH_MIN_SAMPLES, OutputLengthEstimator
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import step_without_model
 from tests.engine.reference import Greedy, assert_greedy_match
 

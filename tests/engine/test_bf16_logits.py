@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from conveyor.engine import SamplingParams
-from conveyor.engine.sampler import SamplerOutput
-from conveyor.engine.testing import build_shaped_model, shaped_model_dir
+from conveyor.engine.sample.sampler import SamplerOutput
 from conveyor.kernels.interpreter import kernel_device
+from conveyor.testing.tiny_models import build_shaped_model, shaped_model_dir
 from tests.engine.helpers import model_case
 from tests.engine.reference import oracle_model
 
@@ -176,7 +176,7 @@ def test_bf16_logits_are_as_close_as_transformers_own(tiny_models, make_llm, fam
     teacher_forced_errors(path, llm, prompts, NEW_TOKENS).assert_as_close_as_transformers_own()
 
 
-# Released models' shapes with random weights (``conveyor.engine.testing.REAL_SHAPES``): Qwen3-0.6B
+# Released models' shapes with random weights (``conveyor.testing.tiny_models.REAL_SHAPES``): Qwen3-0.6B
 # whole, Llama-3.1-8B at 4 of its 32 layers (every width, the 128k vocabulary and llama3 RoPE
 # kept; the layers repeat the same shapes). Full width needs a GPU; the GPU check's dry run
 # (``CONVEYOR_GPU_CHECK_DRY_RUN=1``) runs the same code on the families at a tiny width.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.chat_kwargs import check_template_kwargs
+from conveyor.engine.inputs.chat_kwargs import check_template_kwargs
 
 
 @pytest.mark.parametrize(

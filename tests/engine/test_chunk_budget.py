@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from conveyor.engine import EngineConfig
-from conveyor.engine.chunk_budget import PrefillChunkController, make_chunk_controller
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.core.chunk_budget import PrefillChunkController, make_chunk_controller
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import make_request, record_steps, step_without_model
 from tests.engine.reference import assert_greedy_match, greedy
 

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conveyor.engine.quantization.kept import QuantizedLinearWeight
 from conveyor.engine.quantization.registry import scheme_from_config
@@ -49,11 +50,11 @@ def published_block(variant: str) -> dict:
     return data.get("quantization_config", data)
 
 
-def shrink_quantization(block: dict) -> dict:
+def shrink_quantization(block: dict, fp8_block: int = GROUP) -> dict:
     """``block`` with its size fields made tiny; every other key as published."""
     out = json.loads(json.dumps(block))
     if isinstance(out.get("weight_block_size"), list):
-        out["weight_block_size"] = [GROUP, GROUP]
+        out["weight_block_size"] = [fp8_block, fp8_block]
     if isinstance(out.get("group_size"), int) and out["group_size"] > 0:
         out["group_size"] = GROUP
     for group in (out.get("config_groups") or {}).values():
@@ -89,8 +90,28 @@ def test_the_engine_reads_the_published_quantization_config(variant):
 
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v != "mxfp4"))
 def test_a_model_quantized_as_published_matches_transformers(variant, tmp_path, hf_reference, make_llm):
+    assert_quantized_matches_transformers(
+        variant, shrink_quantization(published_block(variant)), tmp_path, hf_reference, make_llm
+    )
+
+
+def test_fp8_blocks_narrower_than_the_kernels_tiles_still_quantize_activations(tmp_path, hf_reference, make_llm):
+    # 8-wide blocks: fp8_block_gemm's K tiles (16 to 64 inputs) would straddle them, so the
+    # layers emulate the product instead of dropping the inputs' rounding (weight-only).
+    block = shrink_quantization(published_block("fp8-block"), fp8_block=8)
+    assert_quantized_matches_transformers("fp8-block", block, tmp_path, hf_reference, make_llm)
+
+
+def test_fp8_input_groups_that_do_not_tile_a_layer_are_refused():
+    scheme = scheme_from_config({"quantization_config": shrink_quantization(published_block("fp8-block"))})
+    assert scheme is not None
+    weight = torch.zeros(64, 80).to(torch.float8_e4m3fn)  # 80 inputs: two 32-wide groups and a 16-wide rest
+    with pytest.raises(ValueError, match=r"input groups of 32 .* do not tile a layer of 80 inputs"):
+        scheme.kernel_weight({"weight": weight, "scale": torch.ones(2, 3)})
+
+
+def assert_quantized_matches_transformers(variant: str, block: dict, tmp_path, hf_reference, make_llm) -> None:
     family = VARIANTS[variant][1]
-    block = shrink_quantization(published_block(variant))
     float_dir = build_shrunk_checkpoint(tmp_path / "float", CHECKPOINTS / family)
     quantized, reference = qc.write_quantized(float_dir, tmp_path / variant, block, quantizer(block))
     assert json.loads((quantized / "config.json").read_text())["quantization_config"] == block

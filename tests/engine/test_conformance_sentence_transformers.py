@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.engine.pooling_config import read_pooling_config
+from conveyor.engine.pooling.pooling_config import read_pooling_config
 from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors
 from tests.engine.shrunk_checkpoint import build_shrunk_checkpoint
 

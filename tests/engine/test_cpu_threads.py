@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.engine import EngineConfig
-from conveyor.engine.cpu_threads import (
+from conveyor.engine.runner.cpu_threads import (
     AFFINITY,
     ENVIRONMENT,
     EXPLICIT,
@@ -112,7 +112,7 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread():
     """The real thing: affinity set by the process (as taskset or a cpuset would), torch sized to it."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "import torch; from conveyor.engine.cpu_threads import apply_cpu_budget, cpu_budget; "
+        "import torch; from conveyor.engine.runner.cpu_threads import apply_cpu_budget, cpu_budget; "
         "b = cpu_budget(); apply_cpu_budget(b); print(b.threads, b.source, torch.get_num_threads())"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

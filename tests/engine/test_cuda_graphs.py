@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.cuda_graphs import CallingGraph, graph_batch_sizes
+from conveyor.engine.runner.cuda_graphs import CallingGraph, graph_batch_sizes
 from conveyor.kernels.interpreter import kernel_device
 from tests.engine.helpers import spy
 from tests.engine.reference import assert_outputs_match, greedy
@@ -80,7 +80,7 @@ def test_graph_and_eager_steps_interleave(model, hf_reference, make_llm, monkeyp
     engine, runner = llm.engine, llm.engine.runner
     max_tokens = [14, 10, 12, 8, 6, 9]
     params = greedy(max_tokens)
-    eager_calls = spy(monkeypatch, runner, "_forward_eager")
+    eager_calls = spy(monkeypatch, runner, "forward_eager")
     arrivals = {3: 2, 6: 3, 7: 4, 9: 5}  # step -> request index: joins mid-flight
     for i in range(2):
         engine.add_request(f"r{i}", PROMPTS[i], params[i])

@@ -1,4 +1,4 @@
-"""Embedding requests (``conveyor.engine.pooling``) against sentence-transformers' ``encode`` on tiny
+"""Embedding requests (``conveyor.engine.pooling.pooler``) against sentence-transformers' ``encode`` on tiny
 random-weight models: pooling modes, normalisation, ``dimensions``, chunked prefill, prefix
 cache hits, sharing steps with generation, and KV freed as soon as the vector is out."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conveyor.engine import LLM, PoolingParams, SamplingParams
-from conveyor.engine.pooling_config import PoolingConfig, read_pooling_config
+from conveyor.engine.pooling.pooling_config import PoolingConfig, read_pooling_config
 from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors, sentence_transformers_model
 from tests.engine.helpers import assert_no_leaks, record_steps
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, PoolingParams, SamplingParams
-from conveyor.engine.testing import build_tiny_encoder
+from conveyor.testing.tiny_models import build_tiny_encoder
 from tests.engine.embedding_helpers import (
     TEXTS,
     assert_same_vectors,

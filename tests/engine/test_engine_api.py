@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import assert_no_leaks
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -443,7 +443,7 @@ def test_smollm2_chat_matches_transformers(make_llm, tmp_path):
     ``make setup``), its file named directly (tokenizer and chat template from the GGUF): our
     greedy chat answers are transformers' token for token, and the first names Paris. The
     directory ``make run`` prepares (the tokenizer saved beside a link) answers the same."""
-    from conveyor.engine.example_model import prepare, smollm2_gguf
+    from conveyor.testing.example_model import prepare, smollm2_gguf
 
     file = smollm2_gguf()
     if file is None:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from conveyor.engine import SamplingParams, StructuredOutputs
 from conveyor.engine.inputs.errors import GRAMMAR_TOO_COMPLEX, PROMPT_TOO_LONG, InputRejected
 from conveyor.engine.inputs.prompt_bounds import bytes_per_token_bound, min_tokens
-from conveyor.engine.testing import corpus
+from conveyor.testing.tiny_models import corpus
 
 
 def pattern_schema(n: int, salt: str = "") -> dict:

@@ -56,7 +56,7 @@ def test_on_cpu_the_default_follows_the_weights_up_to_what_max_num_seqs_can_use(
 def test_kv_cache_memory_bytes_sets_the_budget_and_the_log_says_what_was_allocated(tiny_models, caplog) -> None:
     probe = LLM(tiny_models("llama"), device="cpu", dtype="float32", num_kv_blocks=1)
     block = _kv_bytes(probe)
-    with caplog.at_level(logging.INFO, logger="conveyor.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="conveyor.engine.runner.model_runner"):
         llm = LLM(tiny_models("llama"), device="cpu", dtype="float32", kv_cache_memory_bytes=300 * block + 7)
     assert llm.engine.runner.num_blocks == 300 and _kv_bytes(llm) == 300 * block
     line = next(r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage())

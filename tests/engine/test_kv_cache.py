@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
-from conveyor.engine.kv_cache import KVCacheManager
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import assert_no_leaks, make_request
 
 

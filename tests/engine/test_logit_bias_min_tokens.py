@@ -10,8 +10,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from conveyor.engine import SamplingParams
-from conveyor.engine.request import Request
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.core.request import Request
+from conveyor.engine.sample.sampler import Sampler
 from tests.engine.reference import Greedy, HFReference, assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.cuda_graphs import CallingGraph
 from conveyor.engine.models.gpt_oss import GptOssExperts
 from conveyor.engine.models.moe import SparseMoE
+from conveyor.engine.runner.cuda_graphs import CallingGraph
 from conveyor.kernels.interpreter import kernel_device
 from tests.engine.reference import assert_outputs_match, greedy
 from tests.engine.test_cuda_graphs import _HostSyncs

@@ -12,7 +12,7 @@ import pytest
 
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.models.multimodal import language_model_name
-from conveyor.engine.testing import build_tiny_multimodal_gemma
+from conveyor.testing.tiny_models import build_tiny_multimodal_gemma
 from tests.engine.helpers import model_case
 from tests.engine.reference import assert_outputs_match, greedy
 

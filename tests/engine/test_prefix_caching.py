@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from conveyor.kernels.utils import cdiv
 from tests.engine.helpers import assert_no_leaks, model_case
 from tests.engine.reference import assert_outputs_match

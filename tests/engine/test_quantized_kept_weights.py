@@ -15,6 +15,7 @@ from conveyor.engine import SamplingParams
 from conveyor.engine.quantization import kept
 from conveyor.engine.quantization.kept import QuantizedLinearWeight
 from conveyor.engine.quantization.kernel_weights import Q4KWeight, Q8_0Weight
+from conveyor.engine.quantization.w8a8 import W8A8Weight
 from tests.engine import quantized_checkpoints as qc
 from tests.engine.quantized_checkpoints import FORMATS
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
@@ -83,13 +84,15 @@ def test_gguf_kept_weights_answer_as_transformers_gguf_loader(qtype, kernel, tin
         assert_greedy_match(out.token_ids, ref, f"{qtype} kept, prompt {i}")
 
 
-# (FP8 as W8A16: a W8A8 checkpoint is dequantized under tensor parallelism, its inputs unquantized)
-@pytest.mark.parametrize("fmt", ["awq", "ct-w8a16-fp8-channel", "gguf-q8_0"])
+# (W8A8: FP8 blocks with per-group dynamic input scales, and a static per-tensor input scale,
+# split exactly; their layers quantize each rank's share of the inputs as the whole layer would.)
+@pytest.mark.parametrize("fmt", ["awq", "ct-w8a16-fp8-channel", "gguf-q8_0", "fp8-block", "fp8-tensor-static"])
 def test_two_ranks_keep_their_shards_quantized(fmt, tiny_models, tmp_path, hf_reference, make_llm, monkeypatch):
     """Tensor parallelism (two ranks, gloo) with kept weights: each rank holds its rows of
     q/k/v and gate/up and its input columns of o_proj and down_proj as packed integers, FP8
     or Q8_0 blocks with their scales (the splits fall on group and block boundaries), and
-    the model answers as transformers does on the stored weights."""
+    the model answers as transformers does on the stored weights (its layers' inputs
+    quantized where the format says so)."""
     from tests.engine.test_gguf import write_gguf
 
     monkeypatch.setenv(kept.KEEP_ON_CPU_ENV, "1")  # (for the other rank's process too)
@@ -103,6 +106,8 @@ def test_two_ranks_keep_their_shards_quantized(fmt, tiny_models, tmp_path, hf_re
     try:
         linears = _linears(llm)
         assert linears and all(isinstance(w, QuantizedLinearWeight) for w in linears)
+        if fmt.startswith("fp8"):
+            assert all(isinstance(w.kernel, W8A8Weight) for w in linears)
         # Rank 0's halves: o_proj's and down_proj's inputs, q/k/v's and gate/up's outputs.
         o_proj = llm.engine.runner.model.layers[0].self_attn.o_weight
         assert o_proj.shape == (64, 32) and o_proj.kernel.cols == 32
@@ -114,7 +119,24 @@ def test_two_ranks_keep_their_shards_quantized(fmt, tiny_models, tmp_path, hf_re
         dense = make_llm(model).generate(PROMPTS[:2], greedy(MAX_TOKENS[:2]))
         assert [o.token_ids for o in outs] == [o.token_ids for o in dense]
     else:
-        assert_outputs_match(hf_reference(str(reference)), PROMPTS[:2], MAX_TOKENS[:2], outs)
+        oracle = qc.w8a8_oracle(hf_reference, quantized, reference)
+        assert_outputs_match(oracle, PROMPTS[:2], MAX_TOKENS[:2], outs)
+
+
+def test_a_row_parallel_layer_with_per_token_input_scales_is_not_split_as_w8a8():
+    from conveyor.engine.distributed.sharding import Shard
+    from conveyor.engine.quantization.activations import ActivationQuant
+    from conveyor.engine.quantization.kernel_weights import Fp8Weight
+
+    fp8 = Fp8Weight.per_row(torch.zeros(64, 64).to(torch.float8_e4m3fn), torch.ones(64))
+    by_token = W8A8Weight.of(fp8, ActivationQuant("token"), None)
+    by_group = W8A8Weight.of(fp8, ActivationQuant("group", 32), None)
+    assert by_token is not None and by_group is not None
+    # A rank's share of the inputs would set its own per-token scale: not the layer's arithmetic.
+    assert by_token.splits_exactly(0) and not by_token.splits_exactly(1)
+    assert by_group.splits_exactly(1) and by_group.take(Shard.cols(32, 32)).cols == 32
+    with pytest.raises(ValueError, match="covers 32 inputs"):
+        by_group.take(Shard.cols(16, 48))
 
 
 def test_a_split_inside_a_scale_block_is_refused():

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
+from conveyor.engine.memory.state_memory import HybridMemory
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.state_memory import HybridMemory
-from conveyor.engine.testing import build_tiny_multimodal_qwen3_5
+from conveyor.testing.tiny_models import build_tiny_multimodal_qwen3_5
 from tests.engine.helpers import assert_chunked_prefill_steps, assert_no_leaks, model_case, record_steps, spy
 from tests.engine.reference import assert_outputs_match, greedy
 

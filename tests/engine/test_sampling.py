@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.request import Request
-from conveyor.engine.sampler import Sampler
+from conveyor.engine.core.request import Request
+from conveyor.engine.sample.sampler import Sampler
 from tests.engine.reference import assert_greedy_match
 
 PROMPT = "Seven guests wait at the table and the waiter"

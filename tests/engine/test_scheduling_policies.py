@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.core.request import Request, RequestStatus
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from tests.engine.helpers import make_request, step_without_model
 
 

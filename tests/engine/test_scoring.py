@@ -1,4 +1,4 @@
-"""``LLM.score`` (``conveyor.engine.scoring``) against its references in float32: BERT and
+"""``LLM.score`` (``conveyor.engine.pooling.scoring``) against its references in float32: BERT and
 XLM-R cross-encoders against sentence-transformers' ``CrossEncoder.predict``, the Qwen3
 reranker against transformers' causal LM's yes/no logits over Qwen's published prompt; a
 model without a scoring head is refused per request with the reason."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, PoolingParams, SamplingParams
-from conveyor.engine.testing import build_tiny_encoder
+from conveyor.testing.tiny_models import build_tiny_encoder
 from tests.engine.helpers import assert_no_leaks
 from tests.engine.score_checkpoints import build_cross_encoder, build_qwen3_reranker, qwen3_reranker_reference
 
@@ -138,7 +138,7 @@ def test_a_cross_encoder_with_modules_after_the_classifier_is_refused_at_load(ro
 
 
 def test_qwen3_reranker_keys_on_another_family_are_refused(root):
-    from conveyor.engine.testing import build_tiny_model
+    from conveyor.testing.tiny_models import build_tiny_model
 
     path = build_tiny_model(root / "llama-with-reranker-keys", "llama")
     config = json.loads((path / "config.json").read_text())

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from conveyor.engine import LLM
-from conveyor.engine.pooling_config import read_pooling_config
-from conveyor.engine.testing import build_tiny_encoder
+from conveyor.engine.pooling.pooling_config import read_pooling_config
+from conveyor.testing.tiny_models import build_tiny_encoder
 from tests.engine.embedding_helpers import TEXTS, assert_same_vectors, reference_vectors
 
 F32 = {"dtype": "float32", "device": "cpu"}

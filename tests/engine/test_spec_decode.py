@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, EngineConfig, SamplingParams, StructuredOutputs
-from conveyor.engine.kv_cache import KVCacheManager
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.kv_cache import KVCacheManager
 from conveyor.engine.spec_decode import verifier
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.ngram import ngram_proposal
-from conveyor.engine.testing import build_truncated_draft
+from conveyor.testing.tiny_models import build_truncated_draft
 from tests.engine.helpers import record_steps
 from tests.engine.reference import assert_greedy_match, assert_outputs_match, greedy
 

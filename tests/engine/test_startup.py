@@ -1,5 +1,5 @@
 """The engine times its own start (``LLMEngine.startup``), and a process knows when it started
-(``conveyor.engine.startup.process_start_time``): what a worker's cold start and ``conveyor bench
+(``conveyor.engine.core.startup.process_start_time``): what a worker's cold start and ``conveyor bench
 --cold-start`` are built from."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from conveyor.engine import EngineConfig, LLMEngine, StartupTimings
-from conveyor.engine.startup import KERNEL, process_start_time
+from conveyor.engine.core.startup import KERNEL, process_start_time
 
 
 def test_the_engine_times_each_phase_of_its_start(tiny_models) -> None:
@@ -35,7 +35,7 @@ def test_a_process_knows_when_the_kernel_started_it() -> None:
     assert source == KERNEL  # Linux: /proc/self/stat
     assert started_at <= time.time()
     # A fresh process's start, measured inside it, is within a moment of when we started it.
-    code = "import json; from conveyor.engine.startup import process_start_time as p; print(json.dumps(p()))"
+    code = "import json; from conveyor.engine.core.startup import process_start_time as p; print(json.dumps(p()))"
     before = time.time()
     out = subprocess.run(
         [sys.executable, "-c", code],

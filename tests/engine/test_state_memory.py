@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.engine.core.request import RequestStatus
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.memory.state_cache import LinearStateCache
+from conveyor.engine.memory.state_memory import HybridMemory, make_request_memory
 from conveyor.engine.models.hybrid_config import LinearAttentionSpec
-from conveyor.engine.request import RequestStatus
-from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.state_cache import LinearStateCache
-from conveyor.engine.state_memory import HybridMemory, make_request_memory
 from tests.engine.helpers import make_request, step_without_model
 
 LIN = LinearAttentionSpec(

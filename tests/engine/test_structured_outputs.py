@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.engine import SamplingParams, StructuredOutputs
-from conveyor.engine.structured_outputs import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutputManager
+from conveyor.engine.structured.structured_outputs import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutputManager
 from tests.engine.helpers import record_steps
 from tests.engine.reference import oracle_model
 from tests.structured_schemas import SCHEMAS, validate

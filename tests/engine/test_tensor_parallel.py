@@ -21,7 +21,7 @@ from conveyor.engine.distributed.parallel_state import ParallelState
 from conveyor.engine.distributed.rank_group import RankGroup
 from conveyor.engine.distributed.sharding import Shard, check_tensor_parallel, head_shard, vocab_shard
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.testing import build_truncated_draft
+from conveyor.testing.tiny_models import build_truncated_draft
 from tests.engine.helpers import model_case
 from tests.engine.reference import assert_outputs_match, greedy
 

@@ -1,4 +1,4 @@
-"""Thinking budgets and answer-only grammars in the engine (``conveyor.engine.thinking``), on tiny
+"""Thinking budgets and answer-only grammars in the engine (``conveyor.engine.structured.thinking``), on tiny
 Qwen3-architecture models with reasoning templates, greedy tokens checked against transformers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conveyor.engine import SamplingParams
-from conveyor.engine.thinking import Delimiters, ThinkingGate
+from conveyor.engine.structured.thinking import Delimiters, ThinkingGate
 from tests.engine.reasoning_models import OPENS_THINK_TEMPLATE, QWEN3_TEMPLATE, build_reasoning_model
 from tests.engine.reference import assert_greedy_match
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.thread_tuner import MAX_PROBE_INTERVAL_S, PROBE_INTERVAL_S, ThreadTuner, thread_ladder
+from conveyor.engine.runner.thread_tuner import MAX_PROBE_INTERVAL_S, PROBE_INTERVAL_S, ThreadTuner, thread_ladder
 
 
 def test_ladder_is_powers_of_two_and_the_budget():
@@ -111,8 +111,8 @@ def test_larger_budgets_climb_the_ladder_one_rung_at_a_time():
 def test_engine_steps_run_on_the_count_chosen_for_them(tiny_models, monkeypatch):
     tiny_model = tiny_models("llama")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the machine decides: a tuner on 2+ CPUs
-    monkeypatch.setattr("conveyor.engine.cpu_threads.affinity_cpus", lambda: 2)
-    monkeypatch.setattr("conveyor.engine.thread_tuner.PROBE_INTERVAL_S", 0.0)  # probe all the time
+    monkeypatch.setattr("conveyor.engine.runner.cpu_threads.affinity_cpus", lambda: 2)
+    monkeypatch.setattr("conveyor.engine.runner.thread_tuner.PROBE_INTERVAL_S", 0.0)  # probe all the time
     before = torch.get_num_threads()
     try:
         llm = LLM(tiny_model, num_kv_blocks=64)

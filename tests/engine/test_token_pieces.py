@@ -6,8 +6,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conveyor.engine.testing import build_tokenizer
-from conveyor.engine.token_pieces import TokenPieces, byte_level_alphabet
+from conveyor.engine.sample.token_pieces import TokenPieces, byte_level_alphabet
+from conveyor.testing.tiny_models import build_tokenizer
 
 TEXT = "Tea for two 🍕 at the café ☃ — 日本語 done"
 

@@ -112,7 +112,7 @@ def test_the_cli_answers_one_line_and_migrates_sqlite(installed):
     conveyor = python.parent / "conveyor"
     assert "run a whole job in this process" in _run([str(conveyor), "--help"], cwd=work).stdout
     model = work / "model"
-    _run([str(python), "-m", "conveyor.engine.testing", "--out", str(model), "--hidden-size", "32"], cwd=work)
+    _run([str(python), "-m", "conveyor.testing.tiny_models", "--out", str(model), "--hidden-size", "32"], cwd=work)
     (work / "in.jsonl").write_text(json.dumps(LINE) + "\n")
     home = work / "home"
     _run(

@@ -14,8 +14,8 @@ import torch
 
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.models.layers import MLP, RMSNorm, kernel_ops, use_kernel_ops
-from conveyor.engine.testing import build_tiny_model
 from conveyor.kernels import reference
+from conveyor.testing.tiny_models import build_tiny_model
 
 from ._helpers import DEVICE
 

@@ -15,6 +15,7 @@ import pytest
 # The API server fixtures every layer's tests may ask for (pytest finds fixtures by name here).
 from tests.worker.api_server import serve, server  # noqa: F401 - fixtures, used by name
 from tests.worker.services import AMQP_URL, PG_DB, PG_HOST, PG_PORT, PG_USERS, REDIS_URL, free_port, service_down
+from tests.worker.webhook_receiver import receiver  # noqa: F401 - a fixture, used by name
 
 # ---- PostgreSQL: a fresh schema per test ------------------------------------------------
 

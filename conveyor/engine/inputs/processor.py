@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.engine.chat_kwargs import check_template_kwargs
+from conveyor.engine.inputs.chat_kwargs import check_template_kwargs
 from conveyor.engine.inputs.errors import PROMPT_TOO_LONG, InputRejected
 from conveyor.engine.inputs.prompt_bounds import bytes_per_token_bound, min_tokens
+from conveyor.engine.inputs.text_checks import check_text, check_texts
 from conveyor.engine.inputs.tool_arguments import with_text_arguments
-from conveyor.engine.pooling import EngineEmbedding
-from conveyor.engine.pooling_state import PoolingState
+from conveyor.engine.pooling.pooler import EngineEmbedding
+from conveyor.engine.pooling.pooling_state import PoolingState
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
-from conveyor.engine.text_checks import check_text, check_texts
+from conveyor.engine.structured.structured_outputs import CompiledGrammar, StructuredOutputManager, check_tools
 
 MAX_CHAT_MESSAGES = 1024
 
@@ -63,6 +63,15 @@ class InputProcessor:
         self.embedding = embedding
         self.tokenize_seconds = tokenize_seconds
         self.max_bytes_per_token = bytes_per_token_bound(tokenizer)
+
+    def resolve(self, prompt: Prompt | PreparedInput, params: SamplingParams | None) -> PreparedInput:
+        """What ``add_request`` runs: ``prompt`` prepared for ``params`` (default ones when None), or
+        a ``PreparedInput`` as it is, which runs with the params it was prepared for."""
+        if isinstance(prompt, PreparedInput):
+            if params is not None and params is not prompt.source_params:
+                raise ValueError("a PreparedInput runs with the params it was prepared for")
+            return prompt
+        return self.prepare(prompt, params if params is not None else SamplingParams())
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedInput:
         """``prompt`` for ``params``, ready; ``ValueError`` (``InputRejected`` with its code)
@@ -119,7 +128,7 @@ class InputProcessor:
 
     def tokenize_pair(self, prompt: Prompt) -> list[int]:
         """A score request's token ids: ``{"text_pair": [text_1, text_2]}`` as the model's
-        scoring head puts a pair into one prompt (``conveyor.engine.scoring``)."""
+        scoring head puts a pair into one prompt (``conveyor.engine.pooling.scoring``)."""
         pair = prompt.get("text_pair") if isinstance(prompt, dict) and set(prompt) == {"text_pair"} else None
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
             raise ValueError('a score request\'s prompt is {"text_pair": [text_1, text_2]}, two strings')

@@ -49,6 +49,7 @@ from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.parallel_state import ParallelState
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
+from conveyor.engine.memory.state_cache import LinearStateCache
 from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.gemma import GemmaRMSNorm
 from conveyor.engine.models.hybrid_config import LinearAttentionSpec, text_model_config
@@ -56,7 +57,6 @@ from conveyor.engine.models.layers import MLP, Attention, DecoderLayer, FeedForw
 from conveyor.engine.models.llama import LlamaForCausalLM
 from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec
 from conveyor.engine.models.moe import SparseMoE, qwen_moe
-from conveyor.engine.state_cache import LinearStateCache
 from conveyor.kernels import gated_delta, reference
 
 

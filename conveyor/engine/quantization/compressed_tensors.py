@@ -180,7 +180,7 @@ class CompressedTensorsScheme(QuantScheme):
 
     def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> KernelWeight | None:
         if "packed" not in parts:
-            weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+            weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block, w8a8=self.act is not None)
             return weight if self.act is None else W8A8Weight.of(weight, self.act, parts.get("input_scale"))
         if self.packed_bits != 4 or not consecutive_groups(parts.get("g_idx"), parts["scale"].shape[-1]):
             return None

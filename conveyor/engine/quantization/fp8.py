@@ -70,18 +70,24 @@ class Fp8Scheme(QuantScheme):
         return dequantize_blocks(weight.float(), scale, self.block)
 
     def kernel_weight(self, parts: Mapping[str, torch.Tensor]) -> W8A8Weight | None:
-        weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block)
+        weight = fp8_kernel_weight(parts["weight"], parts["scale"], self.block, w8a8=True)
         return W8A8Weight.of(weight, self.act, parts.get("input_scale"))
 
 
-def fp8_kernel_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Weight | None:
-    """An e4m3 weight with one scale, one per row, or one per ``block``, for ``fp8_block_gemm``."""
+def fp8_kernel_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, w8a8: bool = False
+) -> Fp8Weight | None:
+    """An e4m3 weight with one scale, one per row, or one per ``block``, for ``fp8_block_gemm``;
+    for a ``w8a8`` layer, blocks of any width (``W8A8Weight`` emulates what the kernel cannot
+    tile: dequantized, the weight alone would drop the activations' rounding)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         return None
     rows = weight.shape[0]
     if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
         return Fp8Weight.per_row(weight, scale)
-    return Fp8Weight.blocks(weight, scale, block) if block is not None else None
+    if block is None:
+        return None
+    return Fp8Weight.grid(weight, scale, block) if w8a8 else Fp8Weight.blocks(weight, scale, block)
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

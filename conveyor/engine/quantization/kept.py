@@ -12,8 +12,9 @@ transformers' ``[experts, in, out]``, which its forward hands to the fused MoE k
 (MXFP4). Elsewhere (the CPU, a piece no kernel serves) the weight stays dequantized, except that
 a W8A8 weight (its layer quantizes its input too) is kept on the CPU as well, where it emulates
 the arithmetic (``conveyor.engine.quantization.w8a8``); under tensor parallelism a W8A8 weight is
-dequantized and its activations stay in full precision (a rank's share of the inputs would set
-a different dynamic scale).
+kept too, except a row-parallel one with per-token or per-tensor dynamic input scales (a rank's
+share of the inputs would set a different scale): that one is dequantized and its activations
+stay in full precision.
 
 Loading a quantized checkpoint builds those weights on the meta device (``deferred_linears``)
 and reads each quantized tensor's packed parts only, so the peak while loading is the packed
@@ -161,7 +162,7 @@ class KeptWeights:
         if key not in self.places:
             return target
         w8a8 = getattr(read, "quantizes_activations", False)
-        if (not self.keeps_all and not w8a8) or (w8a8 and not self.one_rank):
+        if not self.keeps_all and not w8a8:
             return self._dequantized(key)
         kernel_weight = getattr(read, "kernel_weight", None)
         piece = kernel_weight(shard) if kernel_weight is not None else None

@@ -47,15 +47,24 @@ class KernelWeight(ABC):
     def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
         """Rows (``dim`` 0) or inputs (1) ``[start, start + size)``, on scale-block boundaries."""
 
+    def splits_exactly(self, dim: int) -> bool:
+        """Whether a rank holding a part along ``dim`` computes its share of the whole layer's
+        arithmetic exactly (not so where the layer's own input scale would see only the part)."""
+        return True
+
+    def is_split_by(self, shard: Shard | None) -> bool:
+        """Whether ``shard`` is less than the whole weight."""
+        if shard is None:
+            return False
+        return merged_ranges(shard.ranges) != [(0, (self.rows, self.cols)[shard.dim])]
+
     def take(self, shard: Shard | None) -> KernelWeight:
         """This tensor-parallel rank's ``shard`` of the weight and its scales; ``ValueError``
         where a range starts or ends inside a scale block (the block would be split)."""
-        if shard is None:
+        if shard is None or not self.is_split_by(shard):
             return self
-        extent = (self.rows, self.cols)[shard.dim]
         ranges = merged_ranges(shard.ranges)
-        if ranges == [(0, extent)]:
-            return self
+        extent = (self.rows, self.cols)[shard.dim]
         block = self.scale_block()[shard.dim]
         for start, size in ranges:
             if start % block or (size % block and start + size != extent):
@@ -173,12 +182,23 @@ class Fp8Weight(KernelWeight):
     @classmethod
     def blocks(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Fp8Weight | None:
         """One scale a ``block``; ``None`` where the kernel's K tiles would straddle blocks."""
+        kept = cls.grid(weight, scale, block)
+        return kept if kept is not None and kept.kernel_tiles else None
+
+    @classmethod
+    def grid(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Fp8Weight | None:
+        """One scale a ``block`` of any width (``None`` where the scales do not tile the weight):
+        for a W8A8 layer, which emulates the product where the kernel's tiles would straddle."""
         rows, cols = weight.shape
-        if block[1] % 16 or (block[1] > 64 and block[1] % 64):
-            return None
         if tuple(scale.shape) != (-(-rows // block[0]), -(-cols // block[1])):
             return None
         return cls(weight, scale.to(torch.float32).contiguous(), block)
+
+    @property
+    def kernel_tiles(self) -> bool:
+        """Whether ``fp8_block_gemm``'s K tiles (16 to 64 inputs) each fall inside one block."""
+        width = self.block[1]
+        return not (width % 16 or (width > 64 and width % 64))
 
     @property
     def rows(self) -> int:  # type: ignore[override]

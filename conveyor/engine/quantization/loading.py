@@ -63,7 +63,9 @@ class QuantizedReader:
 
     def kernel_weight(self, shard: Shard | None) -> KernelWeight | None:
         weight = self.scheme.kernel_weight(self._read())
-        return None if weight is None else weight.take(shard)
+        if weight is None or (shard is not None and weight.is_split_by(shard) and not weight.splits_exactly(shard.dim)):
+            return None
+        return weight.take(shard)
 
     def expert_weight(self) -> Mxfp4Weight | None:
         return self.scheme.expert_weight(self._read())

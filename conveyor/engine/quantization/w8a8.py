@@ -9,13 +9,19 @@ includes the activations' rounding.
   sm_90 with a bfloat16 output, per-row ones (per-token input, per-channel weight).
 - Elsewhere (sm_80, block-scaled weights, per-group input scales, the Triton interpreter):
   ``fp8_block_gemm`` on the quantized input (its per-tensor or per-row scale applied to the
-  output; per-group ones, dequantized into the input).
+  output; per-group ones, dequantized into the input), except for blocks whose width the
+  kernel's K tiles would straddle: those are emulated as on the CPU, slower and still exact.
 
 Pieces of a fused weight (q/k/v, gate/up) may each have their own static input scale: the
-input is quantized once per run of rows sharing one (``segments``), as each layer would."""
+input is quantized once per run of rows sharing one (``segments``), as each layer would.
+
+Under tensor parallelism a rank keeps its part where that part computes exactly what the
+whole layer would (``splits_exactly``): any split of the output rows, and a split of the
+inputs on whole input groups when the input scale is static or one a group."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +43,14 @@ class W8A8Weight(KernelWeight):
 
     @classmethod
     def of(cls, weight: Fp8Weight | None, act: ActivationQuant, input_scale: torch.Tensor | None) -> W8A8Weight | None:
-        if weight is None or (act.group_size and weight.cols % act.group_size):
+        if weight is None:
             return None
+        if act.group_size and weight.cols % act.group_size:
+            # The format's own arithmetic (DeepSeek's and transformers' act_quant) requires it.
+            raise ValueError(
+                f"input groups of {act.group_size} (weight_block_size's width) do not tile a layer of "
+                f"{weight.cols} inputs: its activations cannot be quantized as the format says"
+            )
         static = None
         if act.strategy == "static":
             assert input_scale is not None and input_scale.numel() == 1, "one static input scale a tensor"
@@ -68,7 +80,7 @@ class W8A8Weight(KernelWeight):
         weight = self.weight if (start, end) == (0, self.rows) else _rows(self.weight, start, end)
         if x.device.type == "cuda" and _scaled_mm_serves(x, weight, scale, self.uniform):
             return _scaled_mm(q, weight, scale, x.dtype, self.uniform)
-        if x.device.type == "cuda" or _interpreting(x.device):
+        if (x.device.type == "cuda" or _interpreting(x.device)) and weight.kernel_tiles:
             return _triton_matmul(self.act, q, scale, weight, x.dtype)
         return (self.act.dequantize(q, scale) @ weight.dequantized().t()).to(x.dtype)
 
@@ -76,12 +88,27 @@ class W8A8Weight(KernelWeight):
         return self.weight.nbytes()
 
     def scale_block(self) -> tuple[int, int]:
-        return self.weight.scale_block()
+        rows, cols = self.weight.scale_block()
+        # A rank's inputs must also hold whole input groups, each of which has its own scale.
+        return rows, math.lcm(cols, self.act.group_size) if self.act.group_size else cols
+
+    def splits_exactly(self, dim: int) -> bool:
+        # Output rows (column parallel): every rank quantizes the whole input, as one layer
+        # would. Inputs (row parallel): a static scale or one per input group is the same on a
+        # rank's share; a per-token or per-tensor dynamic one would be the share's own.
+        return dim == 0 or self.act.strategy in ("static", "group")
 
     def narrow(self, dim: int, start: int, size: int) -> KernelWeight:
-        # (``KeptWeights`` leaves a W8A8 weight dequantized under tensor parallelism: a rank's
-        # share of the inputs would set a different dynamic input scale.)
-        raise ValueError(f"{self.describe()} is not split over tensor-parallel ranks")
+        weight = self.weight.narrow(dim, start, size)
+        if dim == 1:
+            return W8A8Weight(weight, self.act, self.segments, self.uniform)
+        segments, at = [], 0
+        for rows, static in self.segments:
+            kept = min(at + rows, start + size) - max(at, start)
+            if kept > 0:
+                segments.append((kept, static))
+            at += rows
+        return W8A8Weight(weight, self.act, tuple(segments), self.uniform)
 
     def to(self, device: torch.device) -> W8A8Weight:
         return W8A8Weight(self.weight.to(device), self.act, self.segments, self.uniform)

@@ -24,10 +24,10 @@ import torch
 from conveyor.engine.attention.base import AttentionMetadata
 from conveyor.engine.attention.selector import create_backend
 from conveyor.engine.config import kv_block_bytes
+from conveyor.engine.core.request import Request
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.models.loader import load_model, load_spec, load_tokenizer, resolve_model_path
 from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.request import Request
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 
 

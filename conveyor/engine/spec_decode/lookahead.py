@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conveyor.engine.request import Request
-from conveyor.engine.request_memory import RequestMemory
+from conveyor.engine.core.request import Request
+from conveyor.engine.memory.request_memory import RequestMemory
 
 
 def grant_lookahead(kv: RequestMemory, req: Request, n: int, budget: int) -> int:

@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conveyor.engine.batch import LogitsOf, RowPlan
-from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.sampler import Sampler
-from conveyor.engine.scheduler_output import SchedulerOutput
+from conveyor.engine.core.request import Request, RequestStatus
+from conveyor.engine.core.scheduler_output import SchedulerOutput
+from conveyor.engine.core.step_result import NewTokens, StepResult
+from conveyor.engine.runner.batch import LogitsOf, RowPlan
+from conveyor.engine.sample.sampler import Sampler
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 from conveyor.engine.spec_decode.draft import DraftModel
 from conveyor.engine.spec_decode.ngram import ngram_proposal
 from conveyor.engine.spec_decode.stats import SpecDecodeStats
 from conveyor.engine.spec_decode.verifier import Verdict, verify
-from conveyor.engine.step_result import NewTokens, StepResult
 
 if TYPE_CHECKING:
     from conveyor.engine.config import EngineConfig
-    from conveyor.engine.model_runner import ModelRunner
     from conveyor.engine.models.model_config import ModelSpec
+    from conveyor.engine.runner.model_runner import ModelRunner
     from conveyor.engine.spec_decode.stats import SpecDecodeStats as StatsSnapshot
 
 

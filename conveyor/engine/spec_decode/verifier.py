@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from conveyor.engine.request import Request
-from conveyor.engine.sampler import probabilities
+from conveyor.engine.core.request import Request
+from conveyor.engine.sample.sampler import probabilities
 
 if TYPE_CHECKING:
-    from conveyor.engine.sampler import Sampler
+    from conveyor.engine.sample.sampler import Sampler
     from conveyor.engine.sampling_params import SamplingParams
 
 
@@ -125,7 +125,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[
         lp = None
         if raw_logprobs is not None and req.params.logprobs is not None:
             rows_t = torch.arange(starts[i], starts[i] + len(tokens), device=dev)
-            lp = sampler._logprobs(
+            lp = sampler.logprobs(
                 raw_logprobs[rows_t], as_reqs[starts[i] : starts[i] + len(tokens)], torch.tensor(tokens, device=dev)
             )
         verdicts.append(Verdict(tokens, a, lp))

@@ -8,7 +8,8 @@ While it runs, a background thread deletes files (uploads, batch outputs) past t
 ``/metrics``, and another
 takes broker submissions (``conveyor.worker.broker.submission_consumer``; ``CONVEYOR_API_TAKES_SUBMISSIONS``)
 so that they become jobs, and demand an autoscaler sees, while no worker runs; a third publishes
-the job-end announcements still due (``conveyor.worker.broker.announce``), which workers do as well.
+the job-end announcements still due (``conveyor.worker.broker.announce``), which workers do as well;
+a fourth fans out and delivers webhooks (``conveyor.worker.jobs.webhook_dispatch``), as workers do too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 
-from conveyor.worker.api import health, routes_batches, routes_files, routes_message_batches, routes_models
+from conveyor.worker.api import (
+    health,
+    routes_batches,
+    routes_files,
+    routes_message_batches,
+    routes_models,
+    routes_webhooks,
+)
 from conveyor.worker.api.errors import install_error_handlers
 from conveyor.worker.api.insecure_guard import InsecureGuard
 from conveyor.worker.api.metrics_route import metrics_router
@@ -30,6 +38,7 @@ from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.core.settings import Settings
 from conveyor.worker.jobs.files import delete_expired_files
 from conveyor.worker.jobs.message_batch_archive import archive_due
+from conveyor.worker.jobs.webhook_dispatch import WebhookDispatcher
 from conveyor.worker.metrics.exposition import ApiMetrics
 
 log = logging.getLogger(__name__)
@@ -70,7 +79,9 @@ def create_app(
             settings.expired_files_interval_seconds,
             lambda: _expire(services, metrics),
         ).start()
-        background = [janitor]
+        dispatcher = WebhookDispatcher(services.db, settings, on_attempt=metrics.webhook_attempts)
+        webhooks = Periodic("conveyor-webhooks", settings.webhook_poll_seconds, dispatcher.run_once).start()
+        background = [janitor, webhooks]
         submissions = None
         if settings.api_takes_submissions:
             submissions = SubmissionConsumer(services.broker, services.db, services.store, settings).start()
@@ -87,6 +98,7 @@ def create_app(
                 submissions.stop()
             for thread in background:
                 thread.stop()
+            dispatcher.close()
             metrics.close()
             services.close()
 
@@ -102,6 +114,8 @@ def create_app(
     for router in (routes_files.router, routes_batches.router, routes_models.router, health.router):
         app.include_router(router)
     app.include_router(routes_message_batches.router)
+    for prefix in routes_webhooks.PREFIXES:
+        app.include_router(routes_webhooks.router, prefix=prefix)
     app.include_router(metrics_router(metrics))
     for router in extra_routers:
         app.include_router(router)

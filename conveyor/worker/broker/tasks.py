@@ -72,13 +72,16 @@ def _shard_index(value: Any) -> int:
     return value
 
 
+# Every task: JSON arguments checked by ``CheckedRequest``, acknowledged after it ran, requeued
+# if the worker process dies mid-task.
+TASK_OPTIONS: dict[str, Any] = {
+    "bind": True, "shared": False, "acks_late": True, "reject_on_worker_lost": True, "Request": CHECKED_REQUEST,
+}  # fmt: skip
+
+
 def register_tasks(app: Celery) -> None:
     """Define the tasks on ``app``; they run in the context ``app.conveyor`` creates."""
     state = require_state(app)
-
-    def announce(job_id: str) -> None:
-        ctx = state.context()
-        Announcer(app, ctx.db, ctx.settings).announce(job_id)
 
     @contextlib.contextmanager
     def busy() -> Iterator[WorkerContext]:
@@ -89,119 +92,122 @@ def register_tasks(app: Celery) -> None:
         finally:
             ctx.state.task_finished()
 
-    def hand_back(what: str, send: Callable[[], None]) -> None:
-        """Put a message back on its queue, for another worker, as a new message (this one
-        is then acknowledged): a quiet log, unlike a rejection's traceback."""
-        try:
-            send()
-        except Exception as exc:  # the broker is not taking messages: it keeps this one instead
-            raise Reject(f"{what}: the worker is stopping and could not re-send it ({exc})", requeue=True) from None
-        log.info("%s: sent back to the queue for another worker (this one is stopping)", what)
-
-    common: dict[str, Any] = {
-        "bind": True, "shared": False, "acks_late": True, "reject_on_worker_lost": True, "Request": CHECKED_REQUEST,
-    }  # fmt: skip
-
-    @app.task(name=RUN_SHARD, max_retries=None, **common)
+    @app.task(name=RUN_SHARD, max_retries=None, **TASK_OPTIONS)
     def run_shard_task(self: Any, job_id: str, shard_index: int) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         with busy() as ctx:
-            return _run_shard(self, ctx, job_id, _shard_index(shard_index))
+            return run_shard(app, ctx, job_id, _shard_index(shard_index))
 
-    def _run_shard(self: Any, ctx: WorkerContext, job_id: str, shard_index: int) -> dict[str, Any]:
-        try:
-            outcome = run_next_shard(ctx, job_id, shard_index)
-        except RetryShard as exc:
-            delay = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
-            log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, delay, exc)
-            # Waited out here and sent again as a new message, not with a countdown: Conveyor's
-            # queues refuse delayed messages (``conveyor.worker.broker.envelope``). A stop cuts it short.
-            until = time.monotonic() + delay
-            while time.monotonic() < until and not ctx.state.hand_back_due():
-                time.sleep(0.2)
-            queue = queue_name(ctx.model, ctx.settings.queue_prefix)
-            try:
-                enqueue_shards(app, queue, job_id, [shard_index])
-            except Exception as send_error:  # the broker keeps this message instead
-                raise Reject(f"shard {job_id}/{shard_index}: not re-sent ({send_error})", requeue=True) from None
-            return {"job_id": job_id, "shard_index": shard_index, "status": "retrying"}
-        except DependencyUnavailable as exc:
-            log.warning("%s; handing the message back to the broker", exc)
-            raise Reject(str(exc), requeue=True) from None
-        reason = f" [{outcome.reason}]" if outcome.reason else ""
-        log.info(
-            "shard %s/%d: %s (%d items)%s", outcome.job_id, outcome.shard_index, outcome.status, outcome.items, reason
-        )
-        if outcome.status == "handed_back":
-            queue = queue_name(ctx.model, ctx.settings.queue_prefix)
-            hand_back(f"shard {job_id}/{shard_index}", lambda: enqueue_shards(app, queue, job_id, [shard_index]))
-        if outcome.finalized:
-            announce(job_id)
-        return outcome.as_dict()
-
-    @app.task(name=FINALIZE_JOB, **common)
+    @app.task(name=FINALIZE_JOB, **TASK_OPTIONS)
     def finalize_job_task(self: Any, job_id: str, redo: bool = False) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         with busy() as ctx:
-            return _finalize(ctx, job_id, redo)
+            return finalize(app, ctx, job_id, redo)
 
-    def _finalize(ctx: WorkerContext, job_id: str, redo: bool) -> dict[str, Any]:
-        hb = ctx.settings.heartbeat_seconds
-
-        def finalize() -> FinalizeResult | None:
-            result = finalize_job(ctx.db, ctx.store, job_id, heartbeat_seconds=hb) if redo is True else None
-            return result or finalize_if_ready(ctx.db, ctx.store, job_id, heartbeat_seconds=hb)
-
-        try:
-            result = ctx.gate.call(
-                finalize,
-                what=f"finalising job {job_id}",
-                patience=ctx.settings.dependency_retry_seconds,
-                give_up=ctx.state.hand_back_due,
-            )
-        except DependencyUnavailable as exc:
-            log.warning("%s; handing the message back to the broker", exc)
-            raise Reject(str(exc), requeue=True) from None
-        if result is not None:
-            announce(job_id)
-        return {"job_id": job_id, "status": result.status.value if result else None}
-
-    @app.task(name=INGEST_JOB, **common)
+    @app.task(name=INGEST_JOB, **TASK_OPTIONS)
     def ingest_job_task(self: Any, job_id: str) -> dict[str, Any]:
         object_keys.check_job_id(job_id)
         with busy() as ctx:
             if ctx.state.draining:
                 hand_back(f"the intake of job {job_id}", lambda: enqueue_intake(app, job_id, ctx.settings.queue_prefix))
                 return {"job_id": job_id, "status": None}
-            return _ingest(ctx, job_id)
+            with requeued_on_outage():
+                return run_intake(app, ctx, job_id)
 
-    def _ingest(ctx: WorkerContext, job_id: str) -> dict[str, Any]:
-        try:
-            return run_intake(app, ctx, job_id)
-        except DependencyUnavailable as exc:
-            log.warning("%s; handing the message back to the broker", exc)
-            raise Reject(str(exc), requeue=True) from None
-
-    @app.task(name=SUBMIT_JOB, **common)
+    @app.task(name=SUBMIT_JOB, **TASK_OPTIONS)
     def submit_job_task(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         with busy() as ctx:
-            return _submit(self, ctx, args, kwargs)
+            return submit(app, ctx, self.request.id, args, kwargs)
 
-    def _submit(self: Any, ctx: WorkerContext, args: Any, kwargs: Any) -> dict[str, Any]:
-        intake = intake_sender(lambda job_id: enqueue_intake(app, job_id, ctx.settings.queue_prefix))
+
+@contextlib.contextmanager
+def requeued_on_outage(what: str = "the message") -> Iterator[None]:
+    """A dependency that stayed down (or a submission whose intake could not be sent) puts the
+    message back on its queue, to be delivered again, instead of raising: Celery would log the
+    error and acknowledge the message, which would then be lost."""
+    try:
+        yield
+    except (DependencyUnavailable, IntakeNotSent) as exc:
+        log.warning("%s; handing %s back to the broker", exc, what)
+        raise Reject(str(exc), requeue=True) from None
+
+
+def hand_back(what: str, send: Callable[[], None]) -> None:
+    """Put a message back on its queue, for another worker, as a new message (this one is then
+    acknowledged): a quiet log, unlike a rejection's traceback."""
+    try:
+        send()
+    except Exception as exc:  # the broker is not taking messages: it keeps this one instead
+        raise Reject(f"{what}: the worker is stopping and could not re-send it ({exc})", requeue=True) from None
+    log.info("%s: sent back to the queue for another worker (this one is stopping)", what)
+
+
+def announce(app: Celery, ctx: WorkerContext, job_id: str) -> None:
+    Announcer(app, ctx.db, ctx.settings).announce(job_id)
+
+
+def run_shard(app: Celery, ctx: WorkerContext, job_id: str, shard_index: int) -> dict[str, Any]:
+    """A turn to run one of the model's pending shards; a failed attempt waits its backoff and
+    goes back on the queue as a new message."""
+    queue = queue_name(ctx.model, ctx.settings.queue_prefix)
+    try:
+        with requeued_on_outage():
+            outcome = run_next_shard(ctx, job_id, shard_index)
+    except RetryShard as exc:
+        delay = RETRY_BACKOFF[min(exc.attempts, len(RETRY_BACKOFF)) - 1]
+        log.warning("shard %s/%s will be retried in %.0f s: %s", job_id, shard_index, delay, exc)
+        # Waited out here and sent again as a new message, not with a countdown: Conveyor's
+        # queues refuse delayed messages (``conveyor.worker.broker.envelope``). A stop cuts it short.
+        until = time.monotonic() + delay
+        while time.monotonic() < until and not ctx.state.hand_back_due():
+            time.sleep(0.2)
         try:
-            return ctx.gate.call(
-                lambda: handle_submission(
-                    ctx.db, ctx.store, ctx.settings, args, kwargs,
-                    enqueue_intake=intake, announce=announce, task_id=self.request.id,
-                ),
-                what="taking a submission",
-                patience=ctx.settings.dependency_retry_seconds,
-                give_up=ctx.state.hand_back_due,
-            )  # fmt: skip
-        except (DependencyUnavailable, IntakeNotSent) as exc:
-            log.warning("%s; handing the submission back to the broker", exc)
-            raise Reject(str(exc), requeue=True) from None
+            enqueue_shards(app, queue, job_id, [shard_index])
+        except Exception as send_error:  # the broker keeps this message instead
+            raise Reject(f"shard {job_id}/{shard_index}: not re-sent ({send_error})", requeue=True) from None
+        return {"job_id": job_id, "shard_index": shard_index, "status": "retrying"}
+    reason = f" [{outcome.reason}]" if outcome.reason else ""
+    log.info("shard %s/%d: %s (%d items)%s", outcome.job_id, outcome.shard_index, outcome.status, outcome.items, reason)
+    if outcome.status == "handed_back":
+        hand_back(f"shard {job_id}/{shard_index}", lambda: enqueue_shards(app, queue, job_id, [shard_index]))
+    if outcome.finalized:
+        announce(app, ctx, job_id)
+    return outcome.as_dict()
+
+
+def finalize(app: Celery, ctx: WorkerContext, job_id: str, redo: bool) -> dict[str, Any]:
+    """Finalise a job the sweeper found unfinished (``redo``: write its results again)."""
+    hb = ctx.settings.heartbeat_seconds
+
+    def attempt() -> FinalizeResult | None:
+        result = finalize_job(ctx.db, ctx.store, job_id, heartbeat_seconds=hb) if redo is True else None
+        return result or finalize_if_ready(ctx.db, ctx.store, job_id, heartbeat_seconds=hb)
+
+    with requeued_on_outage():
+        result = ctx.gate.call(
+            attempt,
+            what=f"finalising job {job_id}",
+            patience=ctx.settings.dependency_retry_seconds,
+            give_up=ctx.state.hand_back_due,
+        )
+    if result is not None:
+        announce(app, ctx, job_id)
+    return {"job_id": job_id, "status": result.status.value if result else None}
+
+
+def submit(app: Celery, ctx: WorkerContext, task_id: str, args: Any, kwargs: Any) -> dict[str, Any]:
+    """A job submitted through the broker by reference to a stored input."""
+    intake = intake_sender(lambda job_id: enqueue_intake(app, job_id, ctx.settings.queue_prefix))
+    with requeued_on_outage("the submission"):
+        return ctx.gate.call(
+            lambda: handle_submission(
+                ctx.db, ctx.store, ctx.settings, args, kwargs,
+                enqueue_intake=intake, announce=lambda job_id: announce(app, ctx, job_id), task_id=task_id,
+            ),
+            what="taking a submission",
+            patience=ctx.settings.dependency_retry_seconds,
+            give_up=ctx.state.hand_back_due,
+        )  # fmt: skip
 
 
 def run_intake(app: Celery, ctx: WorkerContext, job_id: str) -> dict[str, Any]:

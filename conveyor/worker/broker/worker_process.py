@@ -9,7 +9,8 @@
   the reason, so nothing counts it as serving the model.
 - ``worker_ready``: mark the worker ``ready``; start its registry heartbeat, the sweeper,
   the expiry (jobs of any model past their completion window), the announcements (jobs of
-  any model whose end is still to be announced on the broker: ``conveyor.worker.broker.announce``)
+  any model whose end is still to be announced on the broker: ``conveyor.worker.broker.announce``),
+  the webhooks (every job's events: ``conveyor.worker.jobs.webhook_dispatch``)
   and the engine-snapshot threads, the intake lane (``conveyor.worker.broker.intake_lane``: intakes on
   a consumer of their own, never behind shards), and with ``--exit-when-idle`` the idle watch. ``/readyz``
   answers 200 from here on (``WorkerContext.readiness``).
@@ -51,6 +52,7 @@ from conveyor.worker.execution.snapshots import SnapshotWriter
 from conveyor.worker.jobs.expiry import expire_due_jobs
 from conveyor.worker.jobs.storage_sweep import StorageSweeper
 from conveyor.worker.jobs.sweeper import Sweeper
+from conveyor.worker.jobs.webhook_dispatch import WebhookDispatcher
 from conveyor.worker.metrics.worker_metrics import WorkerMetrics
 from conveyor.worker.store.models import WorkerState
 from conveyor.worker.store.schema import ensure_schema
@@ -95,8 +97,11 @@ def start_background(app: Celery, state: AppState) -> list[Periodic]:
         for job_id in expire_due_jobs(ctx.db, ctx.store, heartbeat_seconds=s.heartbeat_seconds):
             announcer.announce(job_id)  # when it ended at once (no shard was running)
 
+    on_attempt = state.metrics.webhook_attempts if state.metrics is not None else None
+    webhooks = WebhookDispatcher(ctx.db, s, on_attempt=on_attempt)
     state.background += [
         state.sweep_thread,
+        Periodic("conveyor-webhooks", s.webhook_poll_seconds, webhooks.run_once).start(),
         Periodic("conveyor-snapshots", s.snapshot_interval_seconds, SnapshotWriter(ctx).write_once).start(),
         Periodic("conveyor-expiry", s.sweep_interval_seconds, expire).start(),
         Periodic("conveyor-announcements", s.sweep_interval_seconds, announcer.announce_due).start(),

@@ -37,11 +37,13 @@ from conveyor.worker.core.limits import (
     MiB,
     completion_window_seconds,
 )
+from conveyor.worker.core.webhook_signing import check_secret
+from conveyor.worker.core.webhook_urls import parse_webhook_urls
 
 _SECRET_QUERY_KEYS = re.compile(r"pass|secret|token|signature|credential|key", re.IGNORECASE)
 _URL_FIELDS = ("database_url", "broker_url", "storage_url", "storage_endpoint_url")
 # Secrets that are not URLs: shown as "***" when set.
-_SECRET_FIELDS = ("metrics_token", "unowned_cache_salt")
+_SECRET_FIELDS = ("metrics_token", "unowned_cache_salt", "webhook_secret")
 _QUEUE_PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,24}$")
 
 
@@ -320,6 +322,28 @@ class Settings(BaseSettings):
     # The thinking budget of a line that names no thinking_token_budget (unset: unbounded thinking).
     thinking_token_budget: int | None = Field(None, ge=0)
 
+    # Webhooks (``conveyor.worker.jobs.webhook_dispatch``): OpenAI's ``batch.*`` events, signed the
+    # Standard Webhooks way. The operator's endpoints get every job's events, whatever door it came in by.
+
+    # The operator's endpoints, comma-separated https:// URLs (each checked at every delivery).
+    webhook_urls: Annotated[tuple[str, ...], NoDecode] = ()
+    # The operator endpoints' signing secret, ``whsec_<base64>`` (Standard Webhooks); needed with ``webhook_urls``.
+    webhook_secret: str | None = Field(None, max_length=200)
+    # Development only: loopback destinations are allowed (and plain http:// to them).
+    webhook_allow_loopback: bool = False
+    # A delivery's connect and read timeouts, each, in seconds.
+    webhook_timeout_seconds: float = Field(10.0, gt=0, le=60)
+    # A failing delivery is retried (backoff from 1 s doubling to an hour) for this long after its event, then failed.
+    webhook_max_age_seconds: float = Field(86_400.0, gt=0, le=7 * 86_400)
+    # How often each process looks for events to fan out and deliveries that are due.
+    webhook_poll_seconds: float = Field(1.0, gt=0, le=300)
+    # The most endpoints one API key may register (``POST /v1/webhooks``).
+    webhook_max_endpoints_per_key: int = Field(10, ge=1, le=100)
+    # A PEM bundle of the CAs destinations' certificates may chain to, instead of the system's (tests, private CAs).
+    webhook_ca_bundle: Path | None = None
+    # ``conveyor run`` waits up to this long before it exits for its job's webhooks to be delivered.
+    webhook_drain_seconds: float = Field(10.0, ge=0, le=600)
+
     # Metrics.
 
     # The port of a worker's Prometheus ``/metrics``, ``/healthz`` and ``/readyz`` (0: no metrics server).
@@ -347,6 +371,18 @@ class Settings(BaseSettings):
     def _parse_models(cls, value: Any) -> tuple[str, ...]:
         return parse_catalog(value)
 
+    @field_validator("webhook_urls", mode="before")
+    @classmethod
+    def _parse_webhook_urls(cls, value: Any) -> tuple[str, ...]:
+        return parse_webhook_urls(value)
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _check_webhook_secret(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_secret(value)
+        return value
+
     @field_validator("queue_prefix")
     @classmethod
     def _check_queue_prefix(cls, value: str) -> str:
@@ -369,6 +405,8 @@ class Settings(BaseSettings):
                 f"CONVEYOR_HEARTBEAT_SECONDS={self.heartbeat_seconds} must be at most half of "
                 f"CONVEYOR_LEASE_SECONDS={self.lease_seconds}, or a slow heartbeat loses the lease"
             )
+        if self.webhook_urls and not self.webhook_secret:
+            raise ValueError("CONVEYOR_WEBHOOK_URLS needs CONVEYOR_WEBHOOK_SECRET (whsec_...) to sign the events")
         if self.default_max_tokens > self.max_tokens:
             raise ValueError(
                 f"CONVEYOR_DEFAULT_MAX_TOKENS={self.default_max_tokens} exceeds CONVEYOR_MAX_TOKENS={self.max_tokens}"
@@ -449,6 +487,7 @@ class Settings(BaseSettings):
             data[name] = redact_url(data[name])
         for name in _SECRET_FIELDS:
             data[name] = "***" if data[name] else data[name]
+        data["webhook_urls"] = [redact_url(url) for url in self.webhook_urls]  # a token may ride in a query
         data["resolved"] = {
             "database": redact_url(self.database),
             "broker": redact_url(self.broker),
@@ -460,6 +499,8 @@ class Settings(BaseSettings):
         for name, value in super().__repr_args__():
             if name in _SECRET_FIELDS and value:
                 value = "***"
+            if name == "webhook_urls":
+                value = tuple(redact_url(url) for url in value)
             yield name, (redact_url(value) if name in _URL_FIELDS else value)
 
 

@@ -504,7 +504,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from conveyor.engine.bench import TokenRange, format_result, run_bench  # the engine (see the module docstring)
+    from conveyor.testing.bench import TokenRange, format_result, run_bench  # the engine (see the module docstring)
 
     settings = load_settings()
     if is_model_uri(args.model):  # weights in an object store: the local copy (downloaded once)
@@ -529,7 +529,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_cold_start(settings: Settings, args: argparse.Namespace) -> int:
 
-    from conveyor.engine.bench import format_cold_start, run_cold_start
+    from conveyor.testing.bench import format_cold_start, run_cold_start
     from conveyor.worker.execution.context import engine_config
 
     # The engine exactly as a worker builds it: its EngineConfig, CONVEYOR_ENGINE_ARGS applied.
@@ -659,6 +659,39 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     finally:
         db.dispose()
     print(f"conveyor: API key {info.name!r} ({info.id}) is revoked", file=sys.stderr)
+    return 0
+
+
+def cmd_webhooks(args: argparse.Namespace) -> int:
+    from conveyor.worker.jobs.webhook_dispatch import MAX_LISTED, recent_deliveries
+    from conveyor.worker.store.models import WebhookDeliveryStatus
+
+    if args.limit > MAX_LISTED:
+        raise UserError(f"--limit: at most {MAX_LISTED}")
+    settings = load_settings()
+    db = _database(settings)
+    try:
+        rows = recent_deliveries(db, statuses=[WebhookDeliveryStatus(s) for s in args.status or ()], limit=args.limit)
+    finally:
+        db.dispose()
+    for row in rows:
+        row["url"] = redact_url(row["url"])
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("conveyor: no webhook deliveries" + (f" {'/'.join(args.status)}" if args.status else ""), file=sys.stderr)
+    for row in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["updated_at"]))
+        line = (
+            f"{when}  {row['status']:<9}  {row['attempts']:>3} attempts  {row['event_id']}  {row['type']}  "
+            f"{row['job_id']}  {row['url']}"
+        )
+        if row["status"] == "pending" and row["attempts"]:
+            line += f"  next try {time.strftime('%H:%M:%S', time.localtime(row['next_attempt_at']))}"
+        if row["status"] != "delivered" and row["last_error"]:
+            line += f"  last error: {printable(row['last_error'])}"
+        print(line)
     return 0
 
 
@@ -906,6 +939,15 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key: requests with it get 401 (within 2 s)")
     revoke.add_argument("name", help="the key's name")
     revoke.set_defaults(fn=cmd_keys_revoke)
+
+    hooks = sub.add_parser("webhooks", help="list webhook deliveries, latest first (failed ones say why)")
+    hooks.add_argument(
+        "--status", action="append", choices=["pending", "delivered", "failed"],
+        help="only deliveries in this state (repeatable)",
+    )  # fmt: skip
+    hooks.add_argument("--limit", type=_at_least_one, default=50, help="at most this many (default 50, at most 1000)")
+    hooks.add_argument("--json", action="store_true", help="print them as JSON")
+    hooks.set_defaults(fn=cmd_webhooks)
 
     db = sub.add_parser("db", help="database schema")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")

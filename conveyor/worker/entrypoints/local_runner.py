@@ -22,6 +22,7 @@ from conveyor.worker.execution.dependency_gate import DependencyUnavailable
 from conveyor.worker.execution.engine_host import EngineHost
 from conveyor.worker.execution.shard_runner import ANOTHER_HOLDS_IT, RetryShard, ShardOutcome, run_shard
 from conveyor.worker.jobs.finalize import finalize_if_ready
+from conveyor.worker.jobs.webhook_dispatch import WebhookDispatcher
 from conveyor.worker.store.items import ItemRecord
 from conveyor.worker.store.models import JobStatus
 
@@ -123,6 +124,7 @@ def run_job(
             if JobStatus(job["status"]).terminal:
                 if on_start is not None:
                     on_start(job)
+                deliver_webhooks(settings, client)
                 return job
             _run_shards(client, ctx, job, concurrency or settings.worker_concurrency, on_start)
         except KeyboardInterrupt:
@@ -132,11 +134,24 @@ def run_job(
                 raise
             raise RunInterrupted(created[0]) from None
         finalize_if_ready(client.db, client.store, job["id"], heartbeat_seconds=settings.heartbeat_seconds)
+        deliver_webhooks(settings, client)
         return client.status(job["id"])
     finally:
         if ctx is not None:
             ctx.close()
         client.close()
+
+
+def deliver_webhooks(settings: Settings, client: Client) -> None:
+    """The job's end goes out to the webhooks before this short-lived process exits, for up to
+    ``CONVEYOR_WEBHOOK_DRAIN_SECONDS``; what is still failing then stays in the outbox, for the
+    next ``conveyor serve``, worker or run on the same database to deliver."""
+    dispatcher = WebhookDispatcher(client.db, settings)
+    try:
+        if not dispatcher.drain(settings.webhook_drain_seconds):
+            log.warning("conveyor run: some webhooks are not delivered yet; they stay queued (see conveyor webhooks)")
+    finally:
+        dispatcher.close()
 
 
 def _run_shards(

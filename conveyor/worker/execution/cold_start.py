@@ -1,6 +1,6 @@
 """A worker's cold start: from its process's start to ready, by phase.
 
-- ``import``: process start (the kernel's record, ``conveyor.engine.startup.process_start_time``) to
+- ``import``: process start (the kernel's record, ``conveyor.engine.core.startup.process_start_time``) to
   the model beginning to load: the interpreter, Conveyor's, Celery's and torch's imports,
   the settings, the schema check, the registry, the store check, the metrics server;
 - ``weights``: the model and its tokenizer, a download included (``s3://`` weights fetched

@@ -22,7 +22,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from conveyor.engine import EngineConfig
-from conveyor.engine.startup import process_start_time
+from conveyor.engine.core.startup import process_start_time
 from conveyor.worker.core.settings import ConfigError, Settings, redact_url
 from conveyor.worker.execution.cold_start import ColdStart, ModelLoad
 from conveyor.worker.execution.dependency_gate import DependencyGate

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.engine import RequestOutput, SamplingParams
-from conveyor.engine.token_pieces import TokenPieces
+from conveyor.engine.sample.token_pieces import TokenPieces
 from conveyor.worker.batchio.anthropic_body import MESSAGES
 from conveyor.worker.batchio.anthropic_message import MessageOutput, message_object
 from conveyor.worker.batchio.output_lines import Choice, response_body, stable_id
@@ -52,7 +52,7 @@ def engine_prompt(req: ParsedRequest, *, chat_template: bool = False, reasoning:
     ``ValueError`` when the job asks for chat and the model has no template."""
     if req.inputs is not None:
         return PromptList(list(req.inputs))
-    if req.pairs is not None:  # each pair scored as its own engine request (``conveyor.engine.scoring``)
+    if req.pairs is not None:  # each pair scored as its own engine request (``conveyor.engine.pooling.scoring``)
         name = "documents" if req.rerank is not None else "pair"
         return PromptList([{"text_pair": list(pair)} for pair in req.pairs], name)
     if req.messages is not None:

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import select
 
-from conveyor.engine.token_pieces import TokenPieces
+from conveyor.engine.sample.token_pieces import TokenPieces
 from conveyor.worker.batchio.records import ParsedRequest
 from conveyor.worker.core.periodic import Periodic
 from conveyor.worker.execution.context import WorkerContext

@@ -24,6 +24,7 @@ from conveyor.worker.jobs.files import OutputFile, record_output_files
 from conveyor.worker.jobs.output_files import ShardSource, copy_lines, iter_job_output
 from conveyor.worker.jobs.unfinished import write_unfinished
 from conveyor.worker.jobs.unrun_items import CANCELLED, EXPIRED, record_unrun_items
+from conveyor.worker.jobs.webhook_events import record_job_end
 from conveyor.worker.jobs.working_objects import discard_working_objects
 from conveyor.worker.store.items import refresh_job_counts, summarize_job
 from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus, now
@@ -148,6 +149,8 @@ def finalize_job(
             .values(**values)
             .execution_options(synchronize_session=False)
         ).rowcount
+        if done:
+            record_job_end(conn, job_id, final, t)
         if done and job.input_file_id is not None:  # a batch of the HTTP API: its files are Files objects
             keep = RequestOptions.from_json(job.request_options).output_expires_after
             record_output_files(conn, job_id, job.owner, results, errors, expires_after=keep)

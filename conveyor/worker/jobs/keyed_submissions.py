@@ -22,6 +22,7 @@ from conveyor.worker.core.storable_text import storable
 from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.lifecycle import get_job
 from conveyor.worker.jobs.submission import check_metadata
+from conveyor.worker.jobs.webhook_events import record_job_end
 from conveyor.worker.store.models import MODEL_LEN, Job, JobStatus, now
 
 
@@ -69,6 +70,7 @@ def record_refusal(
                              "line": None}],
                 )
             )  # fmt: skip
+            record_job_end(conn, job_id, JobStatus.failed, t)
     except IntegrityError:
         existing = job_with_key(db, idempotency_key)
         if existing is None:

@@ -17,6 +17,7 @@ from conveyor.worker.jobs import object_keys
 from conveyor.worker.jobs.expiry import expire_if_due
 from conveyor.worker.jobs.lifecycle import JobNotFound, request_cancel
 from conveyor.worker.jobs.progress import live_batch_object
+from conveyor.worker.jobs.webhook_events import record_job_end
 from conveyor.worker.store.database import make_sessionmaker
 from conveyor.worker.store.models import Job, JobStatus, now
 from conveyor.worker.store.objects.base import ObjectStore
@@ -105,7 +106,7 @@ def fail_unqueued(db: Engine, job_id: str, message: str) -> None:
     ``failed`` (``enqueue_failed``) rather than wait forever for a worker to read its input."""
     t = now()
     with db.begin() as conn:
-        conn.execute(
+        failed = conn.execute(
             update(Job)
             .where(Job.id == job_id, Job.status == JobStatus.validating)
             .values(
@@ -114,4 +115,6 @@ def fail_unqueued(db: Engine, job_id: str, message: str) -> None:
                 updated_at=t,
                 errors=[{"code": "enqueue_failed", "message": message, "param": None, "line": None}],
             )
-        )
+        ).rowcount
+        if failed:
+            record_job_end(conn, job_id, JobStatus.failed, t)

@@ -42,6 +42,7 @@ from conveyor.worker.jobs.intake import Grouping, IntakeResult, ingest
 from conveyor.worker.jobs.lifecycle import JobNotFound, cancel_job, get_job
 from conveyor.worker.jobs.model_names import canonical_model
 from conveyor.worker.jobs.quotas import Charge
+from conveyor.worker.jobs.webhook_events import record_job_end
 from conveyor.worker.jobs.working_objects import discard_working_objects
 from conveyor.worker.store.database import make_sessionmaker
 from conveyor.worker.store.faults import dependency_of
@@ -455,7 +456,9 @@ def _fail(
     if endpoint is not None:
         values["endpoint"] = endpoint
     with db.begin() as conn:
-        conn.execute(update(Job).where(Job.id == job_id).values(**values))
+        failed = conn.execute(update(Job).where(Job.id == job_id).values(**values)).rowcount
+        if failed:
+            record_job_end(conn, job_id, JobStatus.failed, t)
         conn.execute(
             update(Shard)
             .where(Shard.job_id == job_id, Shard.status == ShardStatus.pending)

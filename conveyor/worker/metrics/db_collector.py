@@ -23,7 +23,10 @@ reads a number, not nothing, before any work came. A brief database outage remov
 series (``conveyor_metrics_database_up`` is 0 meanwhile): an autoscaler's query can ride it
 out with ``max_over_time(...[2m])``.
 
-Each read is four grouped queries over indexed columns (the shard query only touches
+Webhook deliveries are counted by status (``conveyor_webhook_deliveries``): ``failed`` ones
+gave up after their retries (``conveyor webhooks --status failed`` lists them).
+
+Each read is five grouped queries over indexed columns (the shard query only touches
 pending and running shards, the jobs query only unfinished jobs), under a statement timeout
 on PostgreSQL, and is cached for ``cache_seconds``: many scrapes at once make one read. A
 failed read (the database down, the schema missing) never fails the scrape.
@@ -44,7 +47,17 @@ from sqlalchemy import case, exists, func, select
 from sqlalchemy.engine import Engine
 
 from conveyor.worker.store.database import create_db_engine, normalize_url
-from conveyor.worker.store.models import Job, JobStatus, Shard, ShardStatus, Worker, WorkerState, now
+from conveyor.worker.store.models import (
+    Job,
+    JobStatus,
+    Shard,
+    ShardStatus,
+    WebhookDelivery,
+    WebhookDeliveryStatus,
+    Worker,
+    WorkerState,
+    now,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +94,7 @@ class DatabaseCounts:
     in_flight: dict[str, int]  # model -> shards
     workers: dict[str, int]  # model -> live workers
     jobs_waiting: dict[str, int] = field(default_factory=dict)  # model -> jobs with no active shard
+    webhooks: dict[str, int] = field(default_factory=dict)  # delivery status -> webhook deliveries
 
     def demand(self, model: str) -> int:
         """Work that needs a worker of ``model``: shards waiting or in flight, jobs waiting."""
@@ -114,6 +128,7 @@ def read_counts(db: Engine, *, live_seconds: float, timeout_seconds: float = DEF
             .where(Worker.state == WorkerState.ready, Worker.heartbeat_at >= t - live_seconds)
             .group_by(Worker.model)
         ).all()
+        webhooks = conn.execute(select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)).all()
     waiting: dict[str, int] = {}
     in_flight: dict[str, int] = {}
     for model, kind, count in shards:
@@ -124,6 +139,7 @@ def read_counts(db: Engine, *, live_seconds: float, timeout_seconds: float = DEF
         in_flight=in_flight,
         workers={model: int(count) for model, count in workers},
         jobs_waiting={model: int(count) for model, count in jobs_waiting},
+        webhooks={WebhookDeliveryStatus(status).value: int(count) for status, count in webhooks},
     )
 
 
@@ -208,7 +224,14 @@ class DatabaseCollector(Collector):
             "Work that needs a worker of the model: shards waiting or in flight, plus jobs waiting (what to scale on).",
             labels=["model"],
         )
+        webhooks = GaugeMetricFamily(
+            "conveyor_webhook_deliveries",
+            "Webhook deliveries by status: pending (to be tried, or retried), delivered, failed (given up).",
+            labels=["status"],
+        )
         if counts is not None:
+            for delivery in WebhookDeliveryStatus:
+                webhooks.add_metric([delivery.value], float(counts.webhooks.get(delivery.value, 0)))
             for status in JobStatus:
                 jobs.add_metric([status.value], float(counts.jobs.get(status.value, 0)))
             for model in sorted(self._remember(counts)):
@@ -217,7 +240,7 @@ class DatabaseCollector(Collector):
                 workers.add_metric([model], float(counts.workers.get(model, 0)))
                 jobs_waiting.add_metric([model], float(counts.jobs_waiting.get(model, 0)))
                 demand.add_metric([model], float(counts.demand(model)))
-        return [up, took, jobs, waiting, in_flight, workers, jobs_waiting, demand]
+        return [up, took, jobs, waiting, in_flight, workers, jobs_waiting, demand, webhooks]
 
     def _remember(self, counts: DatabaseCounts) -> set[str]:
         present = set(counts.waiting) | set(counts.in_flight) | set(counts.workers) | set(counts.jobs_waiting)

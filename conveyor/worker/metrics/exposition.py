@@ -35,6 +35,7 @@ from conveyor.worker.jobs.files import ExpiredFiles
 from conveyor.worker.jobs.message_batch_archive import ArchivedBatches
 from conveyor.worker.metrics.db_collector import DatabaseCollector, metrics_db_engine
 from conveyor.worker.metrics.registry import new_registry
+from conveyor.worker.metrics.webhook_metrics import WebhookAttempts
 
 
 class MetricsPayload(NamedTuple):
@@ -76,6 +77,7 @@ class ApiMetrics:
             registry=self.registry,
         )
 
+        self.webhook_attempts = WebhookAttempts(self.registry)
         self._archived_batches = Counter(
             "conveyor_message_batches_archived",
             "Message Batches whose results this API process deleted because they passed their retention.",

@@ -24,6 +24,7 @@ from conveyor.worker.metrics.fair_share_collector import FairShareCollector
 from conveyor.worker.metrics.item_metrics import ItemMetrics
 from conveyor.worker.metrics.registry import new_registry
 from conveyor.worker.metrics.server import MetricsServer
+from conveyor.worker.metrics.webhook_metrics import WebhookAttempts
 
 
 class WorkerMetrics:
@@ -49,6 +50,7 @@ class WorkerMetrics:
             )
         )
         ctx.item_listeners.append(self.items.observe)
+        self.webhook_attempts = WebhookAttempts(self.registry)
         self.server: MetricsServer | None = None
 
     @classmethod

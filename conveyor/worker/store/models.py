@@ -502,3 +502,82 @@ class OwnerQuotaLock(Base):
 
     owner: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)  # "" for no owner
     locked_at: Mapped[float] = mapped_column(Double, default=now)
+
+
+class WebhookDeliveryStatus(str, enum.Enum):
+    pending = "pending"  # to be tried (again) at ``next_attempt_at``
+    delivered = "delivered"  # a 2xx answer came back
+    failed = "failed"  # given up: refused destination, or still failing after the maximum age
+
+
+class WebhookEndpoint(Base):
+    """An endpoint an API key registered (``POST /v1/webhooks``): it receives the events of that
+    key's batches. The operator's endpoints (``CONVEYOR_WEBHOOK_URLS``) are settings, not rows.
+    The signing secret is kept as such (the receiver's HMAC needs it); a rotation keeps the
+    previous one signing beside it until ``previous_secret_until``."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(ID_LEN))  # the API key's id
+    name: Mapped[str] = mapped_column(String(128), default="")
+    url: Mapped[str] = mapped_column(String(URI_LEN))
+    event_types: Mapped[list[str]] = mapped_column(JSONType)
+    secret: Mapped[str] = mapped_column(String(128))
+    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    previous_secret_until: Mapped[float | None] = mapped_column(Double)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    updated_at: Mapped[float] = mapped_column(Double, default=now)
+
+    __table_args__ = (Index("ix_webhook_endpoints_owner_created", "owner", "created_at"),)
+
+
+class WebhookEvent(Base):
+    """The outbox: one row per job end (``batch.completed`` ...), written in the transaction
+    that ends the job, so an event exists exactly when its state change does. ``payload`` is
+    the body every delivery sends; ``fanned_out_at`` is set once its deliveries are made."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)  # evt_<hex>
+    job_id: Mapped[str] = mapped_column(String(ID_LEN))
+    type: Mapped[str] = mapped_column(String(32))
+    owner: Mapped[str | None] = mapped_column(String(ID_LEN))  # the job's
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    fanned_out_at: Mapped[float | None] = mapped_column(Double)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "type", name="uq_webhook_events_job_type"),
+        Index("ix_webhook_events_fanned_created", "fanned_out_at", "created_at"),
+    )
+
+
+class WebhookDelivery(Base):
+    """One event to one endpoint: ``endpoint_id`` names a key's endpoint (``we_...``) or an
+    operator URL (``operator-<hash>``), ``url`` where it goes. Claimed under a lease while an
+    attempt runs."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(String(ID_LEN))
+    owner: Mapped[str | None] = mapped_column(String(ID_LEN))  # the endpoint's key; None: the operator's
+    url: Mapped[str] = mapped_column(String(URI_LEN))
+    status: Mapped[WebhookDeliveryStatus] = mapped_column(
+        _str_enum(WebhookDeliveryStatus), default=WebhookDeliveryStatus.pending
+    )
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Double, default=now)
+    lease_until: Mapped[float | None] = mapped_column(Double)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Double, default=now)
+    updated_at: Mapped[float] = mapped_column(Double, default=now)
+
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint_id", name="uq_webhook_deliveries_event_endpoint"),
+        Index("ix_webhook_deliveries_status_next", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_updated", "updated_at"),
+    )

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from conveyor.engine.testing import build_tiny_model
+from conveyor.testing.tiny_models import build_tiny_model
 from conveyor.worker.entrypoints.cli import main
 from tests.worker.helpers import Stack, make_values, parse_lines
 

@@ -50,7 +50,7 @@ def test_cpu_threads_setting_and_flag_reach_the_engine(engine_config_seen, monke
     assert engine_config_seen["config"].cpu_threads == 2
     monkeypatch.delenv("CONVEYOR_CPU_THREADS")
     assert cli.main(["worker", "--model", "org/model"]) == 1
-    assert engine_config_seen["config"].cpu_threads is None  # the machine decides (conveyor.engine.cpu_threads)
+    assert engine_config_seen["config"].cpu_threads is None  # the machine decides (conveyor.engine.runner.cpu_threads)
 
 
 def test_cpu_threads_disagreeing_with_the_engine_args_is_refused(engine_config_seen, monkeypatch, capsys) -> None:

@@ -10,8 +10,8 @@ from functools import cache
 from typing import Any
 
 from conveyor.engine.inputs.processor import InputProcessor
-from conveyor.engine.pooling import EngineEmbedding
-from conveyor.engine.structured_outputs import StructuredOutputManager
+from conveyor.engine.pooling.pooler import EngineEmbedding
+from conveyor.engine.structured.structured_outputs import StructuredOutputManager
 from conveyor.worker.batchio.records import ParsedRequest, request_from_object
 from conveyor.worker.batchio.request_body import CHAT
 from conveyor.worker.core.limits import InputLimits

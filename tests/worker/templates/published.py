@@ -1,5 +1,5 @@
 """The published chat templates of ``tests/data/checkpoints/<family>/`` (sources in its
-``SOURCES.md``), each on our small trained tokenizer (``conveyor.engine.testing``), and the
+``SOURCES.md``), each on our small trained tokenizer (``conveyor.testing.tiny_models``), and the
 conversations they are checked on, in the OpenAI form a batch line sends them.
 
 A family with a published ``tokenizer_config.json`` gets its added-token table as published

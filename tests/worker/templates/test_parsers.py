@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conveyor.engine.outputs import RequestMetrics, RequestOutput
-from conveyor.engine.testing import build_tokenizer
-from conveyor.engine.token_pieces import TokenPieces
+from conveyor.engine.sample.token_pieces import TokenPieces
+from conveyor.testing.tiny_models import build_tokenizer
 from conveyor.worker.execution.engine_host import Completion
 from conveyor.worker.execution.item_records import ItemContext, completion_record, sampling_params
 from tests.worker.templates.generated import ANSWER, ARGUMENTS, END_OF_TURN, MARKERS, THOUGHT, generated_turn

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.testing import build_tokenizer
+from conveyor.testing.tiny_models import build_tokenizer
 from tests.worker.templates.ours import our_render
 from tests.worker.templates.published import (
     ASK,
