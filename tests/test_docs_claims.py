@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conveyor.engine.models.model_config import SUPPORTED_ARCHITECTURES
+from conveyor.engine.models.registry import SUPPORTED_ARCHITECTURES
 from conveyor.worker.batchio.request_body import ENDPOINTS
 from tests.test_docs import REPO
 

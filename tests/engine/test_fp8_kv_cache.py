@@ -26,7 +26,7 @@ from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.parallel_state import ParallelState
 from conveyor.engine.models.kv_scales import CheckpointKVScales
-from conveyor.engine.models.llama import Attention
+from conveyor.engine.models.layers import Attention
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.quantization import scheme_from_config
 from tests.engine.reference import oracle_model

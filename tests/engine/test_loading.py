@@ -16,9 +16,9 @@ import torch
 
 from conveyor.engine import EngineConfig, LLMEngine, SamplingParams
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import SUPPORTED_ARCHITECTURES, ModelSpec
+from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.models.phi3 import Phi3ForCausalLM
-from conveyor.engine.models.registry import MODEL_CLASSES, model_class
+from conveyor.engine.models.registry import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, model_class
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.models.llama import MLP, RMSNorm, kernel_ops, use_kernel_ops
+from conveyor.engine.models.layers import MLP, RMSNorm, kernel_ops, use_kernel_ops
 from conveyor.kernels import reference
 from conveyor.testing.tiny_models import build_tiny_model
 

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from conveyor.engine import LLM
-from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
+from conveyor.engine.models.layers import kernel_ops, use_kernel_ops
 from conveyor.engine.models.qwen3_5 import GatedDeltaNet
 from conveyor.kernels import gated_delta
 from tests.engine.helpers import spy

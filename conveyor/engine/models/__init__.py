@@ -1,10 +1,12 @@
 """Our own forward passes over Hugging Face configs and safetensors weights.
 
-- ``model_config``: ``ModelSpec``, the architecture facts read from a checkpoint's config.
-- ``llama``: the Llama family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3), and the layers
-  other families share (RMSNorm, rotary embedding, attention, MLP).
-- ``phi3``: Phi-3 / Phi-4 (fused checkpoint projections, LongRoPE, partial rotary).
+- ``family``: what a family module declares (``FAMILY``: its architectures, forward passes and
+  config reader), and the families found by scanning this package's modules.
+- ``model_config``: ``ModelSpec``, and what every family reads alike from a config.
 - ``registry``: which forward pass runs which checkpoint ``architectures`` entry.
+- ``layers``: the layers the decoder families share (RMSNorm, rotary embedding, attention, MLP).
+- one module a family: ``llama`` (Llama 2/3, Mistral, Qwen2, Qwen3, and the decoder the others
+  extend), ``phi3``, ``moe``, ``gemma``, ``gemma4``, ``qwen3_5``, ``deepseek``, ``bert``...
 - ``loader``: finding a checkpoint (local directory or hub id) and loading its weights.
 
 Import each name from the module that defines it: this package re-exports nothing.

@@ -29,12 +29,13 @@ from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.distributed.sharding import WeightSlot
 from conveyor.engine.models.bert_heads import ClassifierHead
-from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.model_config import ModelSpec, checkpoint_dtype
 from conveyor.kernels.utils import cdiv
 
 log = logging.getLogger(__name__)
 
-# transformers' activation names -> the function (``ENCODER_ACTIVATIONS``).
+# transformers' activation names -> the function: the feed-forward activations we implement.
 _ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -238,3 +239,64 @@ def encoder_engine_config(config: EngineConfig, spec: ModelSpec) -> EngineConfig
         # (there are no decodes whose inter-token latency a prefill limit would protect)
         target_itl_ms=None,
     )
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """A BERT or XLM-RoBERTa encoder's spec; ``ValueError`` for what the native encoder does
+    not compute (relative position embeddings, a decoder configuration, another activation)."""
+    cfg, architecture = config.values, config.architecture
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"position_embedding_type {kind!r} is not supported; the encoder has absolute positions")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError("a BERT/XLM-RoBERTa configured as a decoder is not supported; the engine embeds with encoders")
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported; supported: {tuple(_ACTIVATIONS)}")
+    num_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    pad = cfg.get("pad_token_id")
+    # XLM-R numbers positions from ``pad_token_id + 1`` (its first rows are never used).
+    offset = int(pad) + 1 if cfg["model_type"] == "xlm-roberta" and pad is not None else 0
+    return ModelSpec(
+        model_type=cfg["model_type"],
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        rms_norm_eps=0.0,
+        # One more than the positions: the token an embedding request samples to finish is
+        # never run through the model, so a prompt may use every position.
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset + 1,
+        rope_theta=0.0,
+        hidden_act=act,
+        checkpoint_dtype=checkpoint_dtype(cfg),
+        encoder=True,
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        position_offset=offset,
+        pad_token_id=None if pad is None else int(pad),
+        num_labels=_num_labels(cfg) if architecture.endswith("ForSequenceClassification") else 0,
+    )
+
+
+def _num_labels(cfg: dict) -> int:
+    """A classifier's outputs as transformers counts them: ``id2label``'s size, else ``num_labels``, else 2."""
+    labels = cfg.get("id2label")
+    return len(labels) if isinstance(labels, dict) and labels else int(cfg.get("num_labels", 2))
+
+
+# The base models first: a config without ``architectures`` is read as an embedder.
+FAMILY = Family(
+    architectures=(
+        Architecture("BertModel", "bert", BertEncoder),
+        Architecture("XLMRobertaModel", "xlm-roberta", BertEncoder),
+        # Cross-encoders: a classification head over the encoder (``bert_heads``).
+        Architecture("BertForSequenceClassification", "bert", BertEncoder),
+        Architecture("XLMRobertaForSequenceClassification", "xlm-roberta", BertEncoder),
+    ),
+    read_config=read_config,
+)

@@ -27,18 +27,20 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, head_shard
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
 from conveyor.engine.models.kv_layout import LayerCache
-from conveyor.engine.models.llama import (
+from conveyor.engine.models.layers import (
     MLP,
     DecoderLayer,
     FeedForward,
-    LlamaForCausalLM,
     RMSNorm,
     RotaryEmbedding,
     _param,
 )
-from conveyor.engine.models.model_config import MLASpec, ModelSpec
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import MLASpec, ModelSpec, MoESpec, decoder_spec
+from conveyor.engine.models.yarn import yarn_mscale
 
 
 class LatentAttention(nn.Module):
@@ -206,3 +208,53 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             slots.update(layer.self_attn.weight_slots(p + "self_attn."))
             slots.update(layer.mlp.weight_slots(p + "mlp."))
         return slots
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """The latent attention's shapes and the MoE layers after the first
+    ``first_k_dense_replace``, with shared experts and grouped routing."""
+    cfg = config.values
+    layers = int(cfg["num_hidden_layers"])
+    experts, inter = int(cfg["n_routed_experts"]), int(cfg["moe_intermediate_size"])
+    moe = MoESpec(
+        num_experts=experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=inter,
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0), layers)) if experts else (),
+        shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+        fp32_weights=True,
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+    return decoder_spec(config, moe=moe, mla=_mla(cfg))
+
+
+def _mla(cfg: dict) -> MLASpec:
+    if cfg.get("attention_bias"):
+        raise ValueError("deepseek_v3 with attention_bias is not supported (no released checkpoint has it)")
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default" and params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+        factor = float(params["factor"])
+        mscale = yarn_mscale(factor, float(params["mscale_all_dim"]))
+        scale *= mscale * mscale
+    q_rank = cfg.get("q_lora_rank")
+    return MLASpec(
+        q_lora_rank=int(q_rank) if q_rank else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        softmax_scale=scale,
+    )
+
+
+FAMILY = Family(
+    architectures=(Architecture("DeepseekV3ForCausalLM", "deepseek_v3", DeepseekV3ForCausalLM),),
+    read_config=read_config,
+)

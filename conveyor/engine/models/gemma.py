@@ -14,14 +14,18 @@ layers with Gemma's differences, each following transformers' modules:
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.engine.distributed.sharding import WeightSlot
-from conveyor.engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.models.multimodal import language_model_name
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.multimodal import gemma_language_model_config, language_model_name
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,3 +118,75 @@ class GemmaForCausalLM(LlamaForCausalLM):
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 slots[f"{p}{name}.weight"] = (getattr(layer, name).weight, 0, self.spec.hidden_size)
         return slots
+
+
+# Gemma's MLP activations (``hidden_activation``) we implement.
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Gemma's fields (``gemma_fields``); Gemma 3's q/k norm and its sliding layers' RoPE base
+    (its full layers' RoPE read from ``_gemma3_rope``'s config)."""
+    cfg = config.values
+    fields = gemma_fields(cfg)
+    if cfg["model_type"] == "gemma3_text":
+        local_theta, full_rope = _gemma3_rope(cfg)
+        return decoder_spec(config, rope_config=full_rope, local_rope_theta=local_theta, qk_norm=True, **fields)
+    return decoder_spec(config, **fields)
+
+
+def gemma_fields(cfg: dict) -> dict[str, Any]:
+    """What a Gemma 2/3/4 config adds to Llama's (``ModelSpec`` documents each field), and
+    which layers slide: per ``layer_types``, else the older ``sliding_window_pattern`` (every
+    n-th layer is full)."""
+    model_type = cfg["model_type"]
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_activation {act!r} is not supported; supported: {GEMMA_ACTIVATIONS}")
+    final_cap = cfg.get("final_logit_softcapping")
+    attn_cap = cfg.get("attn_logit_softcapping")
+    layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
+    return {
+        "hidden_act": act,
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        # (transformers' Gemma 3 attention never passes its attn_logit_softcapping on)
+        "attn_logit_softcap": float(attn_cap) if attn_cap and model_type == "gemma2" else None,
+        "final_logit_softcap": float(final_cap) if final_cap else None,
+        **sliding_per_layer(
+            cfg, lambda: ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        ),
+    }
+
+
+def _gemma3_rope(cfg: dict) -> tuple[float, dict]:
+    """Gemma 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
+    layers' RoPE in the spelling ``read_rope`` reads. transformers 5.x writes one
+    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` and ``rope_scaling`` for
+    the full layers and ``rope_local_base_freq`` for the sliding ones."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 sliding layers' rope type {local['rope_type']!r} is not supported")
+        full = dict(params["full_attention"])
+        full.setdefault("rope_theta", 1_000_000.0)
+        return float(local.get("rope_theta", 10_000.0)), {"rope_parameters": full}
+    return float(cfg.get("rope_local_base_freq", 10_000.0)), {
+        "rope_theta": cfg.get("rope_theta", 1_000_000.0),
+        "rope_scaling": cfg.get("rope_scaling"),
+    }
+
+
+# The released multimodal Gemma 3 checkpoints (``Gemma3ForConditionalGeneration``) serve their
+# language model (``conveyor.engine.models.multimodal``).
+FAMILY = Family(
+    architectures=(
+        Architecture("Gemma2ForCausalLM", "gemma2", GemmaForCausalLM),
+        Architecture("Gemma3ForCausalLM", "gemma3_text", GemmaForCausalLM),
+    ),
+    read_config=read_config,
+    wrappers={"gemma3": functools.partial(gemma_language_model_config, architecture="Gemma3ForCausalLM")},
+)

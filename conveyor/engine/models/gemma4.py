@@ -22,6 +22,8 @@ kind's); a layer of the smaller kind uses the first part of each token's slot.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,11 +31,14 @@ from torch import nn
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, head_shard, split, vocab_shard
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.gemma import gemma_fields
 from conveyor.engine.models.gemma4_spec import Gemma4Spec
-from conveyor.engine.models.llama import LlamaForCausalLM, RMSNorm, _param
-from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.layers import RMSNorm, _param
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec
 from conveyor.engine.models.moe import moe_sorted
-from conveyor.engine.models.multimodal import language_model_name
+from conveyor.engine.models.multimodal import gemma_language_model_config, language_model_name
 
 
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -350,3 +355,22 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 slots[f"{p}per_layer_projection.weight"] = (layer.per_layer_projection, 0, hidden)
                 slots[f"{p}post_per_layer_input_norm.weight"] = (layer.post_per_layer_input_norm.weight, 0, hidden)
         return slots
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Gemma's fields (``gemma.gemma_fields``) and Gemma 4's own (``Gemma4Spec``); the cache's
+    per-token slot is the shape of the layer kind whose K/V is larger."""
+    fields = gemma_fields(config.values)
+    g4 = Gemma4Spec.from_config(config.values)
+    shapes = (g4.kv_shape("sliding_attention"), g4.kv_shape("full_attention"))
+    kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return decoder_spec(config, gemma4=g4, num_kv_heads=kv_heads, head_dim=head_dim, **fields)
+
+
+# The released multimodal checkpoints (``Gemma4ForConditionalGeneration``) serve their language
+# model (``conveyor.engine.models.multimodal``).
+FAMILY = Family(
+    architectures=(Architecture("Gemma4ForCausalLM", "gemma4_text", Gemma4ForCausalLM),),
+    read_config=read_config,
+    wrappers={"gemma4": functools.partial(gemma_language_model_config, architecture="Gemma4ForCausalLM")},
+)

@@ -3,25 +3,12 @@ weights dequantized to float32 at load with the ``gguf`` library, one tensor at 
 transformers' names. Where the loader keeps weights quantized (``conveyor.engine.quantization.kept``:
 on CUDA), a Q8_0 or Q4_K matrix is handed over as its bytes in the GEMM kernel's layout instead.
 
-llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE pairs
-neighbouring elements where transformers pairs the two halves of a head); the loader undoes
-that, as transformers' own GGUF loader does. Qwen2, Qwen3, Phi-3 and the Qwen MoE files are
-written unpermuted.
-
-Tensor names are llama.cpp's (``gguf.constants.TENSOR_NAMES``). Phi-3 keeps its fused
-projections (``attn_qkv``; ``ffn_up`` holds gate and up), and LongRoPE's factors are the
-tensors ``rope_factors_long``/``rope_factors_short``. A mixture of experts stores each
-layer's experts stacked (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``), split here
-into the per-expert tensors of a transformers checkpoint; ``ffn_gate_inp`` is the router and
-Qwen2-MoE's shared expert is ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``. Mixtral
-is written as ``llama`` with ``llama.expert_count`` set.
-
-Gemma 2 and Gemma 3 (text): llama.cpp's converter stores every RMSNorm weight with Gemma's
-``1 +`` already added (``x_normed * weight`` at run time); the loader subtracts it again, as
-transformers' GGUF loader does, since our layers add it. Their four norms per layer are
-``attn_norm``, ``post_attention_norm`` (after attention), ``ffn_norm`` (before the MLP) and
-``post_ffw_norm``. What the file does not say is taken as llama.cpp assumes it
-(``_gemma_fields``).
+What each architecture's metadata and tensor names mean, and how llama.cpp's converter
+changed them (Llama's permuted Q/K rows, Gemma's ``1 + weight`` norms, stacked experts...), is
+``conveyor.engine.models.gguf_architectures``; this module reads the file with it. Tensor names
+are llama.cpp's (``gguf.constants.TENSOR_NAMES``). A mixture of experts stores each layer's
+experts stacked (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``), split here into the
+per-expert tensors of a transformers checkpoint; ``ffn_gate_inp`` is the router.
 """
 
 from __future__ import annotations
@@ -35,63 +22,18 @@ import numpy as np
 import torch
 
 from conveyor.engine.distributed.sharding import Shard
-from conveyor.engine.models import gguf_2026
+from conveyor.engine.models import gguf_architectures
+from conveyor.engine.models.gguf_architectures import ARCHITECTURES, GgufArch, unpermute
 from conveyor.engine.models.llama import LlamaForCausalLM
-from conveyor.engine.models.model_config import GEMMA_MODEL_TYPES, ModelSpec
+from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.models.registry import model_class
 from conveyor.engine.quantization.kernel_weights import KernelWeight, Q4KWeight, Q8_0Weight
 
-# GGUF's ``general.architecture`` -> our model_type. Mistral checkpoints are written as llama,
-# and so is Mixtral (``mixtral`` when the file has experts).
-GGUF_ARCHITECTURES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-    **{arch: a.model_type for arch, a in gguf_2026.ARCHITECTURES.items()},
-}
-# Whether the router's top-k weights are renormalised, where the file does not say
-# (``expert_weights_norm``): as llama.cpp runs each architecture.
-_DEFAULT_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
-
-# GGUF tensor names (after ``blk.N.``) -> transformers' names (after ``model.layers.N.``).
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-# Phi-3's ``ffn_up`` is its fused gate_up projection.
-_PHI3_TENSORS = {**_LAYER_TENSORS, "ffn_up": "mlp.gate_up_proj"}
-# Gemma's norms: ``ffn_norm`` is the one before the MLP, not Llama's post-attention norm.
-_GEMMA_TENSORS = {
-    **_LAYER_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # Stacked experts -> the index of the expert's name in ``MoEForCausalLM.expert_names``.
 _EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # LongRoPE's factors: read into the spec, not weights.
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-_TOP_TENSORS = gguf_2026.TOP_TENSORS
+_TOP_TENSORS = gguf_architectures.TOP_TENSORS
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -137,11 +79,10 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     """The ``ModelSpec`` a GGUF file's metadata describes (checked as a config.json is)."""
     reader = reader if reader is not None else _reader(file)
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{file.name}: GGUF architecture {arch!r} is not supported; supported: {tuple(GGUF_ARCHITECTURES)}"
-        )
+    name = _field(reader, "general.architecture")
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise ValueError(f"{file.name}: GGUF architecture {name!r} is not supported; supported: {tuple(ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:  # llama 3.1's frequency factors, stored as a tensor
         raise ValueError(
@@ -149,24 +90,13 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    model_type = GGUF_ARCHITECTURES[arch]
-    new_arch = gguf_2026.ARCHITECTURES.get(arch)
-    experts = meta("expert_count") if new_arch is None else None  # (those set their own MoE fields)
-    if experts and arch == "llama":  # llama.cpp writes Mixtral as llama, with stacked expert tensors
-        model_type = "mixtral"
-    if experts and "blk.0.ffn_gate_exps.weight" not in names:
-        raise ValueError(
-            f"{file.name}: mixture-of-experts without stacked expert tensors (blk.N.ffn_gate_exps; an older "
-            "llama.cpp layout with one tensor per expert) is not supported"
-        )
+        return _field(reader, f"{name}.{key}", default)
 
     num_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     cfg: dict[str, Any] = {
-        "model_type": model_type,
+        "model_type": arch.model_type,
         "vocab_size": meta("vocab_size") or (len(tokens) if tokens is not None else None),
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -187,14 +117,9 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": meta("rope.scaling.factor")}
-    if arch == "phi3":
-        cfg.update(_phi3_fields(reader, file, meta))
-    if arch in _GEMMA_ARCHITECTURES:
-        cfg.update(_gemma_fields(arch, file, meta, cfg))
-    if experts:
-        cfg.update(_moe_fields(arch, model_type, meta, names))
-    if new_arch is not None:
-        cfg.update(new_arch.config(file, meta, names, cfg))
+    if arch.longrope_factors:
+        cfg.update(_longrope_fields(reader, file, meta))
+    cfg.update(arch.config(file, meta, names, cfg))
     missing = sorted(k for k, v in cfg.items() if v is None)
     if missing:
         raise ValueError(f"{file.name}: GGUF metadata lacks {missing}")
@@ -202,98 +127,29 @@ def read_spec(file: Path, reader: Any = None) -> ModelSpec:
     return ModelSpec.from_dicts(cfg, {"eos_token_id": eos} if eos is not None else {})
 
 
-def _phi3_fields(reader: Any, file: Path, meta: Any) -> dict[str, Any]:
-    """Phi-3's config fields: its sliding window and, when the file has LongRoPE's factor
-    tensors, the longrope scaling they describe."""
-    cfg: dict[str, Any] = {}
-    if meta("attention.sliding_window"):
-        cfg["sliding_window"] = meta("attention.sliding_window")
+def _longrope_fields(reader: Any, file: Path, meta: Any) -> dict[str, Any]:
+    """When the file has LongRoPE's factor tensors (Phi-3), the longrope scaling they describe."""
     factors = {t.name: t for t in reader.tensors if t.name in _ROPE_FACTORS}
-    if factors:
-        original = meta("rope.scaling.original_context_length")
-        if len(factors) != 2 or not original:
-            raise ValueError(
-                f"{file.name}: LongRoPE needs both rope_factors_long and rope_factors_short and "
-                "phi3.rope.scaling.original_context_length"
-            )
-        long, short = (_dequantize(factors[n], file).reshape(-1).tolist() for n in _ROPE_FACTORS)
-        cfg["rope_scaling"] = {
+    if not factors:
+        return {}
+    original = meta("rope.scaling.original_context_length")
+    if len(factors) != 2 or not original:
+        raise ValueError(
+            f"{file.name}: LongRoPE needs both rope_factors_long and rope_factors_short and "
+            "phi3.rope.scaling.original_context_length"
+        )
+    long, short = (_dequantize(factors[n], file).reshape(-1).tolist() for n in _ROPE_FACTORS)
+    return {
+        "rope_scaling": {
             "rope_type": "longrope",
             "long_factor": long,
             "short_factor": short,
             "original_max_position_embeddings": original,
         }
-    return cfg
+    }
 
 
-# llama.cpp's Gemma defaults (llama-model.cpp, ``load_hparams``) for what its converter does
-# not write: the layer count of the 27B models, whose query scale is ``hidden / heads`` (the
-# others': ``head_dim``), and every n-th layer full, the rest sliding.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-_GEMMA2_DEFAULT_WINDOW = 4096
-
-
-def _gemma_fields(arch: str, file: Path, meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2/3's config fields, as transformers names them. llama.cpp's converter writes the
-    window, Gemma 2's soft caps and a final soft cap where Gemma 3 has one; the query scale
-    (``query_pre_attn_scalar``), which layers slide, and Gemma 3's sliding-layer RoPE base
-    (10000, no scaling) are not in the file (read here where a newer file has them:
-    ``attention.sliding_window_pattern``, ``rope.freq_base_swa``) and are llama.cpp's defaults."""
-    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
-    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}  # (llama.cpp's GELU: the tanh form)
-    if layers == _GEMMA_27B_LAYERS[arch] and hidden and heads:
-        out["query_pre_attn_scalar"] = hidden // heads
-    else:
-        out["query_pre_attn_scalar"] = cfg["head_dim"]
-    # llama.cpp: Gemma 2 always slides (4096 unless the file says), Gemma 3 only with a window.
-    window = meta("attention.sliding_window", _GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else None)
-    if window and layers:
-        pattern = meta("attention.sliding_window_pattern", _GEMMA_SLIDING_PATTERN[arch])
-        if isinstance(pattern, list):  # one flag per layer: sliding or not
-            if len(pattern) != layers:
-                raise ValueError(
-                    f"{file.name}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
-                    f"for {layers} layers"
-                )
-            sliding = [bool(p) for p in pattern]
-        else:  # every n-th layer full (0: no layer full)
-            sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
-        out["sliding_window"] = window
-        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    if arch == "gemma2":  # llama.cpp's defaults where the file has no soft caps
-        out["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
-        out["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
-    else:
-        if meta("final_logit_softcapping"):
-            out["final_logit_softcapping"] = meta("final_logit_softcapping")
-        out["rope_local_base_freq"] = meta("rope.freq_base_swa", 10_000.0)
-    return out
-
-
-def _moe_fields(arch: str, model_type: str, meta: Any, names: set[str]) -> dict[str, Any]:
-    """The mixture-of-experts config fields, as transformers names them for ``model_type``
-    (every layer sparse: llama.cpp's layout for these architectures)."""
-    cfg: dict[str, Any] = {"num_experts_per_tok": meta("expert_used_count")}
-    if model_type == "mixtral":
-        cfg["num_local_experts"] = meta("expert_count")
-        cfg["intermediate_size"] = meta("expert_feed_forward_length") or meta("feed_forward_length")
-        return cfg
-    cfg.update(
-        num_experts=meta("expert_count"),
-        moe_intermediate_size=meta("expert_feed_forward_length"),
-        norm_topk_prob=bool(meta("expert_weights_norm", _DEFAULT_NORM_TOPK[arch])),
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        shared_expert_intermediate_size=meta("expert_shared_feed_forward_length", 0),
-        qkv_bias="blk.0.attn_q.bias" in names,
-    )
-    # Qwen MoE files may give no dense feed-forward length (every layer is sparse).
-    cfg["intermediate_size"] = meta("feed_forward_length") or cfg["moe_intermediate_size"]
-    return cfg
-
-
-def _hf_names(name: str, spec: ModelSpec, experts: int) -> list[str] | None:
+def _hf_names(arch: GgufArch, name: str, spec: ModelSpec, experts: int) -> list[str] | None:
     """The transformers names a GGUF tensor holds: one, or one per expert for a stacked
     expert tensor (``None`` for a name we do not know)."""
     stem, _, kind = name.rpartition(".")
@@ -310,18 +166,8 @@ def _hf_names(name: str, spec: ModelSpec, experts: int) -> list[str] | None:
             return [f"{block}gate.{kind}"]
         expert_name = getattr(cls, "expert_names", ("",) * 3)[_EXPERT_TENSORS[part]]
         return [f"{block}experts.{e}.{expert_name}.{kind}" for e in range(experts)]
-    table = _LAYER_TENSORS
-    if spec.model_type == "phi3":
-        table = _PHI3_TENSORS
-    elif spec.model_type in GEMMA_MODEL_TYPES:
-        table = _GEMMA_TENSORS
-    hf = table.get(part)
+    hf = arch.layer_tensors.get(part)
     return None if hf is None else [f"{prefix}{hf}.{kind}"]
-
-
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute`` of Q/K rows: per head, (dim/2, 2) back to (2, dim/2)."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantize(tensor: Any, file: Path, rows: slice | None = None, data: np.ndarray | None = None) -> np.ndarray:
@@ -353,20 +199,20 @@ def iter_tensors(file: Path, spec: ModelSpec) -> Iterator[tuple[str, str, Callab
     know is passed through as the GGUF name, for the loader to refuse. Nothing is dequantized
     until the loader calls a reader: one tensor (one expert of a stacked one) at a time."""
     reader = _reader(file)
-    new_arch = gguf_2026.for_model_type(spec.model_type)
-    if new_arch is not None:
+    arch = gguf_architectures.for_model_type(spec.model_type)
+    assert arch is not None  # (a GGUF file's spec has one of their model types)
+    if not arch.streamed:
         # (renamed, interleaved, merged or reordered in float32: dequantized as read, none kept)
         dequantized = ((t.name, _dequantize(t, file)) for t in reader.tensors)
-        for file_name, name, values in gguf_2026.iter_tensors(new_arch, file, spec, dequantized):
+        for file_name, name, values in gguf_architectures.iter_tensors(arch, file, spec, dequantized):
             yield file_name, name, functools.partial(_shard_of, values)
         return
     experts = spec.moe.num_experts if spec.moe is not None else 0
-    permuted = spec.model_type in ("llama", "mixtral")
-    gemma = spec.model_type in GEMMA_MODEL_TYPES
+    permuted, gemma = arch.permuted, arch.norm_plus_one
     for tensor in reader.tensors:
         if tensor.name in _ROPE_FACTORS:
             continue  # already in the spec
-        names = _hf_names(tensor.name, spec, experts)
+        names = _hf_names(arch, tensor.name, spec, experts)
         heads, adjust = None, None
         if permuted and ".attn_q." in tensor.name:
             heads = spec.num_heads
@@ -422,7 +268,7 @@ class TensorReader:
     def _rows(self) -> np.ndarray:
         """The stored rows (quantized blocks, or values), Llama's Q/K rows back in transformers' order."""
         data = self.tensor.data if self.expert is None else self.tensor.data[self.expert]
-        return data if self.heads is None else _unpermute(data, self.heads)
+        return data if self.heads is None else unpermute(data, self.heads)
 
     def __call__(self, shard: Shard | None) -> torch.Tensor:
         weights = _dequantize(self.tensor, self.file, data=self._rows())

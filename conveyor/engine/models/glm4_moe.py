@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.grouped_sigmoid_moe import GroupedSigmoidMoE
-from conveyor.engine.models.llama import DecoderLayer
+from conveyor.engine.models.layers import DecoderLayer
+from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec
 from conveyor.engine.models.moe import MoEForCausalLM
 
 
@@ -37,3 +39,29 @@ class Glm4MoeForCausalLM(MoEForCausalLM):
 
     def skips_weight(self, name: str) -> bool:
         return self.beyond_last_layer(name)
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """q/k norm with ``use_qk_norm``; the MoE layers after the first ``first_k_dense_replace``."""
+    cfg = config.values
+    num_experts, groups = int(cfg["n_routed_experts"]), int(cfg.get("n_group") or 1)
+    if num_experts % groups or num_experts // groups < 2:
+        raise ValueError(f"n_routed_experts {num_experts} must split into n_group {groups} groups of 2 or more")
+    moe = MoESpec(
+        num_experts=num_experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 1)), int(cfg["num_hidden_layers"]))),
+        shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+        fp32_weights=True,
+        n_group=groups,
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+    return decoder_spec(config, moe=moe, qk_norm=bool(cfg.get("use_qk_norm", False)))
+
+
+FAMILY = Family(
+    architectures=(Architecture("Glm4MoeForCausalLM", "glm4_moe", Glm4MoeForCausalLM),), read_config=read_config
+)

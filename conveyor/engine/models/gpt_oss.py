@@ -30,9 +30,11 @@ import torch.nn.functional as F
 
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, split
-from conveyor.engine.models.llama import Attention, DecoderLayer, FeedForward, LlamaForCausalLM, RMSNorm, _param
-from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.models.moe import SparseMoE, fused_moe_kernel
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.layers import Attention, DecoderLayer, FeedForward, RMSNorm, _param
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
+from conveyor.engine.models.moe import SparseMoE, every_layer_sparse, fused_moe_kernel
 from conveyor.engine.quantization.kept import linear_device
 from conveyor.kernels.reference import ClampedSwiGLU, Mxfp4Weight
 
@@ -202,3 +204,26 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 Shard.rows(heads.head_start, heads.num_heads),
             )
         return slots
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Every layer sparse (routing and experts above), sliding and full layers per
+    ``layer_types`` (transformers' default: even layers slide), o_proj biased with q/k/v,
+    the clamped SwiGLU's constants."""
+    cfg = config.values
+    layers = int(cfg["num_hidden_layers"])
+    return decoder_spec(
+        config,
+        moe=every_layer_sparse(cfg, fp32_weights=False),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        **sliding_per_layer(
+            cfg, lambda: ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        ),
+    )
+
+
+FAMILY = Family(
+    architectures=(Architecture("GptOssForCausalLM", "gpt_oss", GptOssForCausalLM),), read_config=read_config
+)

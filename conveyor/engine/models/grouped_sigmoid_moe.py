@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.engine.distributed.sharding import WeightSlot
-from conveyor.engine.models.llama import MLP, _param
+from conveyor.engine.models.layers import MLP, _param
 from conveyor.engine.models.model_config import ModelSpec, MoESpec
 from conveyor.engine.models.moe import SparseMoE, grouped_sigmoid_route
 

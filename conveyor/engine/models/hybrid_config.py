@@ -1,15 +1,10 @@
 """What a hybrid model's config adds: which layers are gated DeltaNet linear attention (Qwen3.5,
-Qwen3.5-MoE) and their shapes, and the MoE block of Qwen3.5-MoE."""
+Qwen3.5-MoE, Qwen3-Next) and their shapes; and a multimodal Qwen3.5's language model config."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-from conveyor.engine.models.multimodal import GEMMA_WRAPPERS, gemma_language_model_config
-
-# Hybrid text model types (transformers 5.x): the text model of a Qwen3.5 checkpoint, Qwen3-Next.
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -28,9 +23,7 @@ class LinearAttentionSpec:
     v_head_dim: int
 
     @classmethod
-    def from_config(cls, cfg: dict) -> LinearAttentionSpec | None:
-        if cfg.get("model_type") not in HYBRID_MODEL_TYPES:
-            return None
+    def from_config(cls, cfg: dict) -> LinearAttentionSpec:
         layers = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types") or [
             "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear_attention"
@@ -96,23 +89,13 @@ class LinearAttentionSpec:
         return self.num_linear_layers * (conv + recurrent)
 
 
-# Multimodal Qwen3.5 checkpoints: their language model's architecture. The vision tower's
-# tensors are skipped at load (``Qwen3_5ForCausalLM.checkpoint_name``); images are not served.
-MULTIMODAL_WRAPPERS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
-
-
-def language_model_config(cfg: dict) -> dict:
-    """A multimodal Qwen3.5 config (``text_config`` inside) as its language model's config;
-    any other config as it is."""
-    if cfg.get("model_type") in GEMMA_WRAPPERS and isinstance(cfg.get("text_config"), dict):
-        return gemma_language_model_config(cfg)  # (multimodal Gemma 3 and 4)
-    arch, text = MULTIMODAL_WRAPPERS.get(str(cfg.get("model_type"))), cfg.get("text_config")
-    if arch is None or not isinstance(text, dict):
-        return cfg
-    out = dict(text)
+def text_model_config(cfg: dict, architecture: str) -> dict:
+    """A multimodal Qwen3.5 config (``text_config`` inside) as its language model's config,
+    run by ``architecture``."""
+    out = dict(cfg["text_config"])
     out["model_type"] = str(cfg["model_type"]) + "_text"
-    out["architectures"] = [arch]
-    out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    out["architectures"] = [architecture]
+    out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", out.get("tie_word_embeddings", False)))
     for key in ("eos_token_id", "dtype", "torch_dtype"):
         if out.get(key) is None and cfg.get(key) is not None:
             out[key] = cfg[key]

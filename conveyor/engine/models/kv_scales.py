@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conveyor.engine.models.llama import Attention
+from conveyor.engine.models.layers import Attention
 
 log = logging.getLogger(__name__)
 

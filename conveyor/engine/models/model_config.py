@@ -1,4 +1,7 @@
-"""The architecture facts the engine needs, read from a checkpoint's ``config.json``.
+"""The architecture facts the engine needs, read from a checkpoint's ``config.json``: what
+every family reads alike. Each family reads its own fields in its module (its ``FAMILY``'s
+``read_config``, found by ``conveyor.engine.models.family``), mostly by calling
+``decoder_spec`` with them.
 
 Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
 (``rope_parameters``). EOS ids come from ``generation_config.json`` when it has them.
@@ -6,65 +9,30 @@ Both spellings are accepted: transformers 4.x (``rope_theta`` + ``rope_scaling``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from conveyor.engine.models import family
 from conveyor.engine.models.config_defaults import with_transformers_defaults
+from conveyor.engine.models.family import CheckpointConfig
 from conveyor.engine.models.gemma4_spec import Gemma4Spec
-from conveyor.engine.models.hybrid_config import LinearAttentionSpec, language_model_config
+from conveyor.engine.models.hybrid_config import LinearAttentionSpec
 from conveyor.engine.models.yarn import yarn_inv_freq, yarn_mscale
 
-# Each architecture we have a forward pass for (``conveyor.engine.models.registry``), and its model_type.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Glm4MoeForCausalLM": "glm4_moe",
-    "Gemma4ForCausalLM": "gemma4_text",
-    "GptOssForCausalLM": "gpt_oss",
-    "SmolLM3ForCausalLM": "smollm3",
-    "Olmo3ForCausalLM": "olmo3",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Qwen3_5ForCausalLM": "qwen3_5_text",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "BertModel": "bert",
-    "XLMRobertaModel": "xlm-roberta",
-    # Cross-encoders (a classification head over the encoder: ``conveyor.engine.models.bert_heads``).
-    "BertForSequenceClassification": "bert",
-    "XLMRobertaForSequenceClassification": "xlm-roberta",
-}
-SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
-# Gemma's MLP activations (``hidden_activation``) we implement.
-GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-# The families whose ``attention_bias`` covers o_proj too (the others bias q/k/v only).
-_O_BIAS_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "smollm3", "olmo3")
-# Encoder-only embedders (``conveyor.engine.models.bert``): bidirectional attention, no KV cache.
-ENCODER_MODEL_TYPES = ("bert", "xlm-roberta")
-# Their feed-forward activations we implement (transformers' names).
-ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str
-    architecture: str  # the ``SUPPORTED_ARCHITECTURES`` key whose forward pass runs it
+    architecture: str  # the ``architectures`` entry whose forward pass runs it (``registry``)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,7 +65,7 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # the mixture-of-experts layers, for the MoE families
-    # SmolLM3: which layers turn their queries and keys with RoPE (None: every layer; the
+    # Which layers turn their queries and keys with RoPE (None: every layer; the
     # others are NoPE layers).
     rope_layers: tuple[bool, ...] | None = None
     # gpt-oss's experts' clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
@@ -143,74 +111,22 @@ class ModelSpec:
     @classmethod
     def from_dicts(cls, cfg: dict, gen: dict | None = None) -> ModelSpec:
         gen = gen or {}
-        cfg = language_model_config(cfg)  # a multimodal Qwen3.5's language model
+        cfg = family.language_model_config(cfg)  # a multimodal checkpoint's language model
         model_type = cfg.get("model_type")
-        architecture = _architecture(cfg)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        architecture = _architecture(cfg, family.supported_architectures())
+        read = family.config_reader(str(model_type))
+        if read is None:
+            supported = tuple(family.supported_architectures().values())
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
         if cfg.get("text_config"):  # a multimodal wrapper around a supported text model
             raise ValueError("multimodal checkpoints are not supported")
         cfg = with_transformers_defaults(cfg)
-        if model_type in ENCODER_MODEL_TYPES:
-            return _encoder_spec(cfg, architecture)
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        gemma = _GemmaFields.from_config(cfg) if model_type in GEMMA_MODEL_TYPES else _GemmaFields()
-        if model_type == "olmo3":  # (its sliding layers' RoPE base, as Gemma 3's, in ``local_rope_theta``)
-            local_theta, olmo3_rope = _olmo3_rope(cfg)
-            gemma = dataclasses.replace(gemma, local_rope_theta=local_theta, global_rope_config=olmo3_rope)
-        theta, scaling, partial = _rope(gemma.global_rope_config if gemma.global_rope_config is not None else cfg)
-        sliding, sliding_layers = _sliding_layers(cfg, model_type, int(cfg["num_hidden_layers"]))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
-        g4 = Gemma4Spec.from_config(cfg) if model_type == "gemma4_text" else None
-        if g4 is not None:  # the cache's per-token slot: the layer kind whose K/V is larger
-            shapes = (g4.kv_shape("sliding_attention"), g4.kv_shape("full_attention"))
-            kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
-            cfg = {**cfg, "num_key_value_heads": kv_heads}
-        moe = MoESpec.from_config(cfg)
-        return cls(
-            model_type=model_type,
-            architecture=architecture,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=_dense_intermediate_size(cfg, moe),
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            partial_rotary_factor=partial,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2"
-            or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
-            or (model_type != "phi3" and bool(cfg.get("attention_bias", False))),
-            o_bias=model_type in _O_BIAS_MODEL_TYPES and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-            or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
-            sliding_window=sliding,
-            sliding_layers=sliding_layers,
-            hidden_act=gemma.hidden_act,
-            query_pre_attn_scalar=gemma.query_pre_attn_scalar,
-            attn_logit_softcap=gemma.attn_logit_softcap,
-            final_logit_softcap=gemma.final_logit_softcap,
-            local_rope_theta=gemma.local_rope_theta,
-            checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
-            eos_token_ids=eos_ids,
-            moe=moe,
-            gemma4=g4,
-            rope_layers=_rope_layers(cfg) if model_type == "smollm3" else None,
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if model_type == "gpt_oss" else None,
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            mla=MLASpec.from_config(cfg),
-            linear_attention=LinearAttentionSpec.from_config(cfg),
-        )
+        spec = read(CheckpointConfig(cfg, architecture, eos_ids))
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"the {model_type} family's read_config returned a {type(spec).__name__}, not a ModelSpec")
+        return spec
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer ``index`` (None: it attends to the whole context)."""
@@ -262,87 +178,6 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
 
-    @classmethod
-    def from_config(cls, cfg: dict) -> MoESpec | None:
-        model_type, layers = cfg.get("model_type"), int(cfg["num_hidden_layers"])
-        if model_type == "mixtral":
-            return cls(
-                num_experts=int(cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=int(cfg["intermediate_size"]),
-                renormalize=True,
-                sparse_layers=tuple(range(layers)),
-                fp32_weights=True,
-            )
-        if model_type == "glm4_moe":
-            return cls._glm4_moe(cfg, layers)
-        if model_type == "gpt_oss":  # (routing and experts: ``conveyor.engine.models.gpt_oss``)
-            return cls(
-                num_experts=int(cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=int(cfg["intermediate_size"]),
-                renormalize=True,
-                sparse_layers=tuple(range(layers)),
-            )
-        if model_type == "deepseek_v3":
-            experts, inter = int(cfg["n_routed_experts"]), int(cfg["moe_intermediate_size"])
-            return cls(
-                num_experts=experts,
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=inter,
-                renormalize=bool(cfg.get("norm_topk_prob", True)),
-                sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0), layers)) if experts else (),
-                shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
-                fp32_weights=True,
-                n_group=int(cfg.get("n_group") or 1),
-                topk_group=int(cfg.get("topk_group") or 1),
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-            )
-        if model_type == "qwen3_5_moe_text":  # every layer sparse, renormalised, a gated shared expert
-            return cls(
-                num_experts=int(cfg["num_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=int(cfg["moe_intermediate_size"]),
-                renormalize=True,
-                sparse_layers=tuple(range(layers)),
-                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-            )
-        if model_type not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
-            return None
-        # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
-        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = set(cfg.get("mlp_only_layers") or ())
-        sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
-        return cls(
-            num_experts=num_experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            renormalize=bool(cfg.get("norm_topk_prob", model_type == "qwen3_next")),  # (its default: true)
-            sparse_layers=sparse,
-            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-            if model_type in ("qwen2_moe", "qwen3_next")
-            else 0,
-        )
-
-    @classmethod
-    def _glm4_moe(cls, cfg: dict, layers: int) -> MoESpec:
-        num_experts, groups = int(cfg["n_routed_experts"]), int(cfg.get("n_group") or 1)
-        if num_experts % groups or num_experts // groups < 2:
-            raise ValueError(f"n_routed_experts {num_experts} must split into n_group {groups} groups of 2 or more")
-        return cls(
-            num_experts=num_experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            renormalize=bool(cfg.get("norm_topk_prob", True)),
-            sparse_layers=tuple(range(int(cfg.get("first_k_dense_replace", 1)), layers)),
-            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
-            fp32_weights=True,
-            n_group=groups,
-            topk_group=int(cfg.get("topk_group") or 1),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        )
-
 
 @dataclass(frozen=True)
 class MLASpec:
@@ -365,179 +200,111 @@ class MLASpec:
         """One cached token of one layer: the latent then the rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @classmethod
-    def from_config(cls, cfg: dict) -> MLASpec | None:
-        if cfg.get("model_type") != "deepseek_v3":
-            return None
-        if cfg.get("attention_bias"):
-            raise ValueError("deepseek_v3 with attention_bias is not supported (no released checkpoint has it)")
-        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-        scale = (nope + rope) ** -0.5
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        kind = params.get("rope_type") or params.get("type") or "default"
-        if kind != "default" and params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
-            factor = float(params["factor"])
-            mscale = yarn_mscale(factor, float(params["mscale_all_dim"]))
-            scale *= mscale * mscale
-        q_rank = cfg.get("q_lora_rank")
-        return cls(
-            q_lora_rank=int(q_rank) if q_rank else None,
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
-            v_head_dim=int(cfg["v_head_dim"]),
-            rope_interleave=bool(cfg.get("rope_interleave", True)),
-            softmax_scale=scale,
-        )
 
-
-@dataclass(frozen=True)
-class _GemmaFields:
-    """What a Gemma 2/3 config adds to Llama's (``ModelSpec`` documents each field).
-    ``global_rope_config``: Gemma 3's full layers' RoPE as a config ``_rope`` reads."""
-
-    hidden_act: str = "silu"
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcap: float | None = None
-    final_logit_softcap: float | None = None
-    local_rope_theta: float | None = None
-    global_rope_config: dict | None = None
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> _GemmaFields:
-        model_type = cfg["model_type"]
-        if cfg.get("use_bidirectional_attention"):
-            raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in GEMMA_ACTIVATIONS:
-            raise ValueError(f"hidden_activation {act!r} is not supported; supported: {GEMMA_ACTIVATIONS}")
-        local_theta, global_rope = None, None
-        if model_type == "gemma3_text":
-            local_theta, global_rope = _gemma3_rope(cfg)
-        final_cap = cfg.get("final_logit_softcapping")
-        attn_cap = cfg.get("attn_logit_softcapping")
-        return cls(
-            hidden_act=act,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-            # (transformers' Gemma 3 attention never passes its attn_logit_softcapping on)
-            attn_logit_softcap=float(attn_cap) if attn_cap and model_type == "gemma2" else None,
-            final_logit_softcap=float(final_cap) if final_cap else None,
-            local_rope_theta=local_theta,
-            global_rope_config=global_rope,
-        )
-
-
-def _gemma3_rope(cfg: dict) -> tuple[float, dict]:
-    """Gemma 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
-    layers' RoPE in the spelling ``_rope`` reads. transformers 5.x writes one
-    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` and ``rope_scaling`` for
-    the full layers and ``rope_local_base_freq`` for the sliding ones."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        local = dict(params.get("sliding_attention") or {})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"Gemma 3 sliding layers' rope type {local['rope_type']!r} is not supported")
-        full = dict(params["full_attention"])
-        full.setdefault("rope_theta", 1_000_000.0)
-        return float(local.get("rope_theta", 10_000.0)), {"rope_parameters": full}
-    return float(cfg.get("rope_local_base_freq", 10_000.0)), {
-        "rope_theta": cfg.get("rope_theta", 1_000_000.0),
-        "rope_scaling": cfg.get("rope_scaling"),
+def decoder_spec(
+    config: CheckpointConfig,
+    *,
+    rope_config: dict | None = None,
+    rope_aliases: Mapping[str, str] | None = None,
+    **fields: Any,
+) -> ModelSpec:
+    """A decoder's spec: what every decoder family reads alike from ``config``, with the
+    family's own ``fields`` (any ``ModelSpec`` field) over it. RoPE is read from
+    ``rope_config`` where the family gives one (the full layers' RoPE of a model whose
+    sliding layers have their own). Without sliding fields, layers slide as transformers'
+    Qwen2 places them (``default_sliding``)."""
+    cfg = config.values
+    num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    theta, scaling, partial = read_rope(rope_config if rope_config is not None else cfg, rope_aliases)
+    if "sliding_window" not in fields:
+        fields = {**default_sliding(cfg), **fields}
+    common: dict[str, Any] = {
+        "model_type": cfg["model_type"],
+        "architecture": config.architecture,
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": _dense_intermediate_size(cfg, fields.get("moe")),
+        "num_layers": cfg["num_hidden_layers"],
+        "num_heads": num_heads,
+        "num_kv_heads": cfg.get("num_key_value_heads") or num_heads,
+        "head_dim": cfg.get("head_dim") or hidden // num_heads,
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "partial_rotary_factor": partial,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": bool(cfg.get("attention_bias", False)),
+        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "checkpoint_dtype": checkpoint_dtype(cfg),
+        "eos_token_ids": config.eos_token_ids,
     }
+    return ModelSpec(**{**common, **fields})
 
 
-def _olmo3_rope(cfg: dict) -> tuple[float, dict]:
-    """OLMo 3's RoPE: the sliding layers' base (default RoPE) and a config holding the full
-    layers' RoPE in the spelling ``_rope`` reads. transformers 5.x writes one
-    ``rope_parameters`` entry per layer type; 4.x wrote ``rope_theta`` for both and
-    ``rope_scaling`` for the full layers only."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        local, full = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
-    else:
-        theta = cfg.get("rope_theta", 500_000.0)
-        local, full = {"rope_theta": theta}, {**(cfg.get("rope_scaling") or {}), "rope_theta": theta}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"OLMo 3 sliding layers' rope type {local['rope_type']!r} is not supported")
-    full.setdefault("rope_theta", 500_000.0)
-    # (what a YaRN factor left out is derived from)
-    lengths = {k: cfg[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if cfg.get(k)}
-    return float(local.get("rope_theta", 500_000.0)), {"rope_parameters": full, **lengths}
+def checkpoint_dtype(cfg: dict) -> torch.dtype | None:
+    """The dtype the checkpoint's weights are stored in (``dtype``; 4.x: ``torch_dtype``)."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return _CHECKPOINT_DTYPES.get(name) if isinstance(name, str) else None
 
 
-def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
-    """The sliding window and which layers use it (None: every layer), as transformers
-    applies them for each family: Mistral, Phi-3 and Mixtral slide every layer when the config
-    has a window; Qwen only with ``use_sliding_window`` (Qwen2/3 and Qwen2-MoE per
-    ``layer_types``, else their ``max_window_layers`` rules; Qwen3-MoE every layer); Gemma per
-    ``layer_types``, else the older ``sliding_window_pattern`` (every n-th layer is full)."""
+_NO_SLIDING: dict[str, Any] = {"sliding_window": None, "sliding_layers": None}
+
+
+def sliding_every_layer(cfg: dict) -> dict[str, Any]:
+    """Every layer slides when the config has a window (Mistral's rule)."""
     window = cfg.get("sliding_window")
-    if not window or model_type == "llama":
-        return None, None
-    if model_type in ("mistral", "phi3", "mixtral"):
-        return int(window), None
-    types = cfg.get("layer_types")
-    if model_type == "gpt_oss":  # (transformers' default: even layers slide)
-        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    elif model_type == "olmo3":  # (transformers' default: every 4th layer is full)
-        default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)]
-    elif model_type in GEMMA_MODEL_TYPES:
-        pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
-        default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    elif not cfg.get("use_sliding_window"):
-        return None, None
-    elif model_type == "smollm3":  # (transformers' default: the NoPE layers slide)
-        default = ["full_attention" if rope else "sliding_attention" for rope in _rope_layers(cfg)]
-    elif model_type == "qwen3_moe":
-        return int(window), None
-    elif model_type == "qwen2_moe":
-        limit = int(cfg.get("max_window_layers", 28))
-        default = ["sliding_attention" if (i + 1) % 2 and i < limit else "full_attention" for i in range(num_layers)]
-    else:  # qwen2, qwen3
-        limit = int(cfg.get("max_window_layers", 28))
-        default = ["sliding_attention" if i >= limit else "full_attention" for i in range(num_layers)]
-    types = types or default
+    return {"sliding_window": int(window), "sliding_layers": None} if window else _NO_SLIDING
+
+
+def sliding_per_layer(cfg: dict, default_types: Callable[[], Sequence[str]]) -> dict[str, Any]:
+    """With a window, the layers ``layer_types`` marks ``sliding_attention`` slide (without
+    ``layer_types``: those of the family's ``default_types``); no window, or no sliding
+    layer: none slides."""
+    window, num_layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    if not window:
+        return _NO_SLIDING
+    types = cfg.get("layer_types") or default_types()
     if len(types) != num_layers:
         raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
     sliding = tuple(t == "sliding_attention" for t in types)
-    return (int(window), sliding) if any(sliding) else (None, None)
+    return {"sliding_window": int(window), "sliding_layers": sliding} if any(sliding) else _NO_SLIDING
 
 
-def _rope_layers(cfg: dict) -> tuple[bool, ...]:
-    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), or transformers' default from
-    ``no_rope_layer_interval`` (every n-th layer is NoPE)."""
-    layers = int(cfg["num_hidden_layers"])
-    flags = cfg.get("no_rope_layers")
-    if flags is None:
-        interval = int(cfg.get("no_rope_layer_interval") or 4)
-        flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(flags) != layers:
-        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
-    return tuple(bool(f) for f in flags)
+def default_sliding(cfg: dict) -> dict[str, Any]:
+    """Only with ``use_sliding_window``: the layers from ``max_window_layers`` on slide
+    (transformers' Qwen2 rule, for the families that give no rule of their own)."""
+    if not cfg.get("use_sliding_window"):
+        return _NO_SLIDING
+    limit, layers = int(cfg.get("max_window_layers", 28)), int(cfg["num_hidden_layers"])
+    return sliding_per_layer(
+        cfg, lambda: ["sliding_attention" if i >= limit else "full_attention" for i in range(layers)]
+    )
 
 
-def _architecture(cfg: dict) -> str:
+def _architecture(cfg: dict, supported: dict[str, str]) -> str:
     """The supported architecture a config names (its ``architectures``, else its model_type's)."""
     names = cfg.get("architectures") or []
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in supported:
             return name
     if names:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"architecture {', '.join(map(str, names))} is not supported; supported: {supported}")
+        listed = ", ".join(supported)
+        raise ValueError(f"architecture {', '.join(map(str, names))} is not supported; supported: {listed}")
     by_type: dict[str, str] = {}
-    for arch, model_type in SUPPORTED_ARCHITECTURES.items():  # the first listed: the base model, not a head
+    for arch, model_type in supported.items():  # the first listed: the base model, not a head
         by_type.setdefault(model_type, arch)
     return by_type.get(str(cfg.get("model_type")), "")  # "" only for an unsupported model_type, refused next
 
 
-def _rope(cfg: dict) -> tuple[float, dict, float]:
+def read_rope(cfg: dict, aliases: Mapping[str, str] | None = None) -> tuple[float, dict, float]:
     """RoPE's base, its scaling parameters (``rope_type`` always set; for longrope, with
     ``original_max_position_embeddings``, ``factor`` and ``attention_factor`` resolved as
-    transformers resolves them) and the partial rotary factor."""
+    transformers resolves them) and the partial rotary factor. ``aliases``: a family's old names
+    for rope types."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params:  # transformers 5.x
         scaling = dict(params)
@@ -547,8 +314,7 @@ def _rope(cfg: dict) -> tuple[float, dict, float]:
         scaling = dict(cfg.get("rope_scaling") or {})
     partial = float(scaling.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
     kind = scaling.pop("type", None) or scaling.get("rope_type") or "default"
-    if kind in ("su", "yarn") and cfg.get("model_type") == "phi3":  # Phi-3's old names for longrope
-        kind = "longrope"
+    kind = (aliases or {}).get(kind, kind)
     scaling["rope_type"] = kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
@@ -630,51 +396,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
-
-
-def _encoder_spec(cfg: dict, architecture: str) -> ModelSpec:
-    """A BERT or XLM-RoBERTa encoder's spec; ``ValueError`` for what the native encoder does
-    not compute (relative position embeddings, a decoder configuration, another activation)."""
-    kind = cfg.get("position_embedding_type", "absolute")
-    if kind != "absolute":
-        raise ValueError(f"position_embedding_type {kind!r} is not supported; the encoder has absolute positions")
-    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
-        raise ValueError("a BERT/XLM-RoBERTa configured as a decoder is not supported; the engine embeds with encoders")
-    act = cfg.get("hidden_act", "gelu")
-    if act not in ENCODER_ACTIVATIONS:
-        raise ValueError(f"hidden_act {act!r} is not supported; supported: {ENCODER_ACTIVATIONS}")
-    num_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
-    pad = cfg.get("pad_token_id")
-    # XLM-R numbers positions from ``pad_token_id + 1`` (its first rows are never used).
-    offset = int(pad) + 1 if cfg["model_type"] == "xlm-roberta" and pad is not None else 0
-    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
-    return ModelSpec(
-        model_type=cfg["model_type"],
-        architecture=architecture,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=num_heads,
-        head_dim=hidden // num_heads,
-        rms_norm_eps=0.0,
-        # One more than the positions: the token an embedding request samples to finish is
-        # never run through the model, so a prompt may use every position.
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset + 1,
-        rope_theta=0.0,
-        hidden_act=act,
-        checkpoint_dtype=_CHECKPOINT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
-        encoder=True,
-        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-        position_offset=offset,
-        pad_token_id=None if pad is None else int(pad),
-        num_labels=_num_labels(cfg) if architecture.endswith("ForSequenceClassification") else 0,
-    )
-
-
-def _num_labels(cfg: dict) -> int:
-    """A classifier's outputs as transformers counts them: ``id2label``'s size, else ``num_labels``, else 2."""
-    labels = cfg.get("id2label")
-    return len(labels) if isinstance(labels, dict) and labels else int(cfg.get("num_labels", 2))

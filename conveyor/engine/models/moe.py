@@ -28,8 +28,16 @@ import torch.nn.functional as F
 
 from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.sharding import Shard, WeightSlot, split
-from conveyor.engine.models.llama import MLP, DecoderLayer, FeedForward, LlamaForCausalLM, _param
-from conveyor.engine.models.model_config import ModelSpec, MoESpec
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.layers import MLP, DecoderLayer, FeedForward, _param
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import (
+    ModelSpec,
+    MoESpec,
+    decoder_spec,
+    sliding_every_layer,
+    sliding_per_layer,
+)
 from conveyor.kernels import reference
 from conveyor.kernels.interpreter import enable_interpreter, is_interpreting, kernels_interpreted
 
@@ -220,3 +228,74 @@ def grouped_sigmoid_route(
     if moe.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * moe.routed_scaling_factor, ids
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Mixtral: every layer sparse and sliding when the config has a window. Qwen2-MoE and
+    Qwen3-MoE slide only with ``use_sliding_window`` (Qwen2-MoE every other layer below
+    ``max_window_layers``, Qwen3-MoE every layer); Qwen2-MoE biases q/k/v unless ``qkv_bias``
+    says not, Qwen3-MoE biases o_proj too and norms each head's q and k."""
+    cfg = config.values
+    model_type, bias, layers = cfg["model_type"], bool(cfg.get("attention_bias", False)), int(cfg["num_hidden_layers"])
+    if model_type == "mixtral":
+        return decoder_spec(config, moe=every_layer_sparse(cfg, fp32_weights=True), **sliding_every_layer(cfg))
+    windowed = bool(cfg.get("use_sliding_window"))
+    if model_type == "qwen3_moe":
+        return decoder_spec(
+            config,
+            moe=qwen_moe(cfg, shared_expert=False, renormalize=False),
+            o_bias=bias,
+            qk_norm=True,
+            **(sliding_every_layer(cfg) if windowed else sliding_every_layer({})),
+        )
+    limit = int(cfg.get("max_window_layers", 28))
+    alternate = ["sliding_attention" if (i + 1) % 2 and i < limit else "full_attention" for i in range(layers)]
+    return decoder_spec(
+        config,
+        moe=qwen_moe(cfg, shared_expert=True, renormalize=False),
+        qkv_bias=bool(cfg.get("qkv_bias", True)) or bias,
+        **(sliding_per_layer(cfg, lambda: alternate) if windowed else sliding_every_layer({})),
+    )
+
+
+def every_layer_sparse(cfg: dict, *, fp32_weights: bool) -> MoESpec:
+    """Every layer a mixture of ``num_local_experts`` experts of ``intermediate_size``, the
+    top-k weights renormalised (Mixtral, gpt-oss)."""
+    return MoESpec(
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        renormalize=True,
+        sparse_layers=tuple(range(int(cfg["num_hidden_layers"]))),
+        fp32_weights=fp32_weights,
+    )
+
+
+def qwen_moe(cfg: dict, *, shared_expert: bool, renormalize: bool) -> MoESpec:
+    """Qwen's sparse layers: every ``decoder_sparse_step``-th layer but the ``mlp_only_layers``;
+    ``renormalize``: the default of ``norm_topk_prob``; ``shared_expert``: whether the family
+    has the gated shared expert."""
+    layers = int(cfg["num_hidden_layers"])
+    # (transformers 5.x writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``)
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", renormalize)),
+        sparse_layers=sparse,
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if shared_expert else 0,
+    )
+
+
+FAMILY = Family(
+    architectures=(
+        Architecture("MixtralForCausalLM", "mixtral", MixtralForCausalLM),
+        Architecture("Qwen2MoeForCausalLM", "qwen2_moe", MoEForCausalLM),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", MoEForCausalLM),
+    ),
+    read_config=read_config,
+)

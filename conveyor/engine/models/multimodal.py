@@ -6,9 +6,6 @@ part is refused by ``conveyor.worker.batchio``)."""
 
 from __future__ import annotations
 
-# The wrapper's ``model_type`` -> its language model's architecture.
-GEMMA_WRAPPERS = {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
-
 # A checkpoint's language-model prefix -> the text model's. transformers 5.x saves
 # ``model.language_model.``; Gemma 3's released files (transformers 4.50) say ``language_model.model.``.
 _LANGUAGE_MODEL_PREFIXES = {
@@ -21,9 +18,9 @@ _TOWERS = ("vision_tower.", "audio_tower.", "multi_modal_projector.", "embed_vis
 _TOWER_PREFIXES = _TOWERS + tuple("model." + t for t in _TOWERS)
 
 
-def gemma_language_model_config(cfg: dict) -> dict:
-    """A multimodal Gemma config as its text model's, completed with transformers' defaults:
-    the released configs name only what differs from them (Gemma 3 4B's ``text_config`` has
+def gemma_language_model_config(cfg: dict, architecture: str) -> dict:
+    """A multimodal Gemma config as its text model's (run by ``architecture``), completed with
+    transformers' defaults: the released configs name only what differs from them (Gemma 3 4B's ``text_config`` has
     six keys), and transformers' config class also rewrites the 4.x spelling the way the text
     model reads it."""
     from transformers import AutoConfig
@@ -36,7 +33,7 @@ def gemma_language_model_config(cfg: dict) -> dict:
     text.pop("model_type", None)
     out = AutoConfig.for_model(text_type, **text).to_dict()
     out["model_type"] = text_type
-    out["architectures"] = [GEMMA_WRAPPERS[str(cfg["model_type"])]]
+    out["architectures"] = [architecture]
     # (the wrapper decides: Gemma ties its embeddings, and the wrapper's default is to tie)
     out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
     return out

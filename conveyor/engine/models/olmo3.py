@@ -20,9 +20,11 @@ import torch.nn.functional as F
 
 from conveyor.engine.attention.base import AttentionBackend
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.gpt_oss import GptOssRMSNorm
-from conveyor.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RotaryEmbedding, _param
-from conveyor.engine.models.model_config import ModelSpec
+from conveyor.engine.models.layers import Attention, DecoderLayer, RotaryEmbedding, _param
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_per_layer
 
 
 class Olmo3Attention(Attention):
@@ -116,3 +118,43 @@ class Olmo3ForCausalLM(LlamaForCausalLM):
                 self.spec.hidden_size,
             )
         return slots
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Sliding and full layers per ``layer_types`` (transformers' default: every 4th layer
+    full), the sliding layers' RoPE base in ``local_rope_theta`` (as Gemma 3's), o_proj biased
+    with q/k/v."""
+    cfg = config.values
+    local_theta, full_rope = _rope(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    return decoder_spec(
+        config,
+        rope_config=full_rope,
+        local_rope_theta=local_theta,
+        o_bias=bool(cfg.get("attention_bias", False)),
+        **sliding_per_layer(
+            cfg, lambda: ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+        ),
+    )
+
+
+def _rope(cfg: dict) -> tuple[float, dict]:
+    """The sliding layers' RoPE base (default RoPE) and a config holding the full layers' RoPE
+    in the spelling ``read_rope`` reads. transformers 5.x writes one ``rope_parameters`` entry
+    per layer type; 4.x wrote ``rope_theta`` for both and ``rope_scaling`` for the full layers
+    only."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local, full = dict(params.get("sliding_attention") or {}), dict(params["full_attention"])
+    else:
+        theta = cfg.get("rope_theta", 500_000.0)
+        local, full = {"rope_theta": theta}, {**(cfg.get("rope_scaling") or {}), "rope_theta": theta}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"OLMo 3 sliding layers' rope type {local['rope_type']!r} is not supported")
+    full.setdefault("rope_theta", 500_000.0)
+    # (what a YaRN factor left out is derived from)
+    lengths = {k: cfg[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if cfg.get(k)}
+    return float(local.get("rope_theta", 500_000.0)), {"rope_parameters": full, **lengths}
+
+
+FAMILY = Family(architectures=(Architecture("Olmo3ForCausalLM", "olmo3", Olmo3ForCausalLM),), read_config=read_config)

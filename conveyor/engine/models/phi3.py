@@ -6,7 +6,10 @@ Only the weight names differ from Llama."""
 from __future__ import annotations
 
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
-from conveyor.engine.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
+from conveyor.engine.models.layers import MLP, DecoderLayer
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, decoder_spec, sliding_every_layer
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -38,3 +41,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             slots[p + "self_attn.qkv_proj.weight"] = (a.qkv_weight, 0, q + 2 * kv, qkv)
             slots[p + "mlp.gate_up_proj.weight"] = (m.gate_up_weight, 0, 2 * inter, gate_up)
         return slots
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Phi-3 biases no projection, whatever ``attention_bias`` says; it slides every layer
+    when it has a window, and calls LongRoPE by its old names (``su``, ``yarn``)."""
+    return decoder_spec(
+        config,
+        rope_aliases={"su": "longrope", "yarn": "longrope"},
+        qkv_bias=False,
+        **sliding_every_layer(config.values),
+    )
+
+
+FAMILY = Family(architectures=(Architecture("Phi3ForCausalLM", "phi3", Phi3ForCausalLM),), read_config=read_config)

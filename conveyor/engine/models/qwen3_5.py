@@ -37,6 +37,7 @@ last accepted token back into the slot.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -49,11 +50,13 @@ from conveyor.engine.distributed import parallel_state
 from conveyor.engine.distributed.parallel_state import ParallelState
 from conveyor.engine.distributed.sharding import Shard, WeightSlot
 from conveyor.engine.memory.state_cache import LinearStateCache
+from conveyor.engine.models.family import Architecture, CheckpointConfig, Family
 from conveyor.engine.models.gemma import GemmaRMSNorm
-from conveyor.engine.models.hybrid_config import LinearAttentionSpec
-from conveyor.engine.models.llama import MLP, Attention, DecoderLayer, FeedForward, LlamaForCausalLM, _param
-from conveyor.engine.models.model_config import ModelSpec
-from conveyor.engine.models.moe import SparseMoE
+from conveyor.engine.models.hybrid_config import LinearAttentionSpec, text_model_config
+from conveyor.engine.models.layers import MLP, Attention, DecoderLayer, FeedForward, _param
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.model_config import ModelSpec, MoESpec, decoder_spec
+from conveyor.engine.models.moe import SparseMoE, qwen_moe
 from conveyor.kernels import gated_delta, reference
 
 
@@ -466,3 +469,38 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
         if moe is None or index not in moe.sparse_layers:
             return MLP(self.spec, dtype, device)
         return super().make_mlp(index, dtype, device)
+
+
+def read_config(config: CheckpointConfig) -> ModelSpec:
+    """Which layers are linear attention, and their shapes; Qwen3.5-MoE's every layer sparse,
+    renormalised, with a gated shared expert; Qwen3-Next's sparse layers as Qwen2-MoE's."""
+    cfg = config.values
+    moe: MoESpec | None = None
+    if cfg["model_type"] == "qwen3_5_moe_text":
+        moe = MoESpec(
+            num_experts=int(cfg["num_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=True,
+            sparse_layers=tuple(range(int(cfg["num_hidden_layers"]))),
+            shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+        )
+    elif cfg["model_type"] == "qwen3_next":
+        moe = qwen_moe(cfg, shared_expert=True, renormalize=True)
+    return decoder_spec(config, moe=moe, linear_attention=LinearAttentionSpec.from_config(cfg))
+
+
+# The multimodal Qwen3.5 checkpoints serve their language model: the vision tower's tensors
+# are skipped at load (``Qwen3_5ForCausalLM.checkpoint_name``); images are not served.
+FAMILY = Family(
+    architectures=(
+        Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", Qwen3_5ForCausalLM),
+        Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Qwen3_5MoeForCausalLM),
+        Architecture("Qwen3NextForCausalLM", "qwen3_next", Qwen3NextForCausalLM),
+    ),
+    read_config=read_config,
+    wrappers={
+        "qwen3_5": functools.partial(text_model_config, architecture="Qwen3_5ForCausalLM"),
+        "qwen3_5_moe": functools.partial(text_model_config, architecture="Qwen3_5MoeForCausalLM"),
+    },
+)

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from conveyor.engine.attention.base import AttentionBackend
-from conveyor.engine.models.hybrid_config import language_model_config
-from conveyor.engine.models.model_config import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES, ModelSpec
+from conveyor.engine.models import family
+from conveyor.engine.models.model_config import ModelSpec
 
 ATTENTION_NAME = "conveyor_paged"
 # Attention arguments a layer may pass that our backends cannot honour.
@@ -39,11 +39,11 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 def has_native(path: Path) -> bool:
     """Whether the registry has a forward pass for the checkpoint's architecture (what
     ``model_impl="auto"`` decides by)."""
-    cfg = language_model_config(_read_config(path))  # (a multimodal Qwen3.5 runs its language model)
+    cfg = family.language_model_config(_read_config(path))  # (a multimodal one runs its language model)
     names = cfg.get("architectures") or []
     if names:
-        return any(name in SUPPORTED_ARCHITECTURES for name in names)
-    return cfg.get("model_type") in SUPPORTED_MODEL_TYPES
+        return any(name in family.architectures() for name in names)
+    return family.config_reader(str(cfg.get("model_type"))) is not None
 
 
 def resolve_model_impl(path: Path, model_impl: str) -> str:

@@ -31,7 +31,7 @@ from conveyor.engine.distributed.leader import start_ranks
 from conveyor.engine.distributed.step_inputs import StepInputs
 from conveyor.engine.memory.state_cache import allocate_state, state_bytes_per_seq
 from conveyor.engine.models.kv_layout import KVLayout
-from conveyor.engine.models.llama import kernel_ops, use_kernel_ops
+from conveyor.engine.models.layers import kernel_ops, use_kernel_ops
 from conveyor.engine.models.loader import load_model
 from conveyor.engine.models.model_config import ModelSpec
 from conveyor.engine.pooling.pooler import PoolingHook

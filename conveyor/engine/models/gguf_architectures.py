@@ -1,7 +1,22 @@
-"""GGUF names and metadata of the 2026 architectures llama.cpp's format names: ``smollm3``,
-``gpt-oss``, ``glm4moe``, ``deepseek2`` (DeepSeek-V3 and its descendants), ``qwen35`` and
-``qwen35moe``, as llama.cpp's ``convert_hf_to_gguf`` writes them, mapped back to transformers'
-names and config.
+"""What each GGUF architecture (llama.cpp's ``general.architecture``) holds, mapped back to
+transformers' names and config: the config fields its metadata gives, its tensors' names, and
+how its converter changed them. ``conveyor.engine.models.gguf`` reads the file with these.
+
+The architectures llama.cpp had by 2024 (``llama``, ``qwen2``, ``qwen3``, ``phi3``,
+``qwen2moe``, ``qwen3moe``, ``gemma2``, ``gemma3``) are read one tensor at a time, kept
+quantized where a GEMM kernel multiplies them (``GgufArch.streamed``):
+
+- Llama: Q/K rows permuted for llama.cpp's RoPE (undone here); Mixtral is written as
+  ``llama`` with ``llama.expert_count`` set and stacked experts.
+- Phi-3 keeps its fused projections (``attn_qkv``; ``ffn_up`` holds gate and up), and
+  LongRoPE's factors are the tensors ``rope_factors_long``/``rope_factors_short``.
+- Qwen2-MoE's shared expert is ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``.
+- Gemma 2 and 3: every RMSNorm weight stored with Gemma's ``1 +`` added (subtracted again:
+  our layers add it); four norms per layer (``attn_norm``, ``post_attention_norm``,
+  ``ffn_norm`` before the MLP, ``post_ffw_norm``); what the file does not say is taken as
+  llama.cpp assumes it (``_gemma_fields``).
+
+The later ones are dequantized as read (renamed, interleaved, merged or reordered in float32):
 
 - SmolLM3: the Llama converter (Q/K rows permuted for llama.cpp's RoPE, undone by ``gguf``);
   the file says nothing of NoPE layers: llama.cpp assumes every 4th layer without RoPE, which
@@ -31,11 +46,12 @@ names and config.
   projections not mapped yet) is refused.
 
 Experts written fused (the converter's ``--fuse-gate-up-exps``: ``ffn_gate_up_exps``, gate
-rows then up rows) are split back into gate and up for every architecture here.
+rows then up rows) are split back into gate and up for every later architecture.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,16 +62,14 @@ import torch
 
 from conveyor.engine.models.model_config import ModelSpec
 
-# The tensors outside the layers -> transformers' names (``conveyor.engine.models.gguf`` reads them too).
+# The tensors outside the layers -> transformers' names.
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 Meta = Callable[..., Any]  # ``meta(key, default)``: the file's ``<arch>.<key>`` field
 Tensors = Iterator[tuple[str, str, torch.Tensor]]  # (file name, transformers name, float32)
 
-# llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE``: 1 softmax, 2 sigmoid.
-_SIGMOID_GATING = 2
-
-_ATTENTION = {
+# GGUF tensor names (after ``blk.N.``) -> transformers' names (after ``model.layers.N.``).
+_BLOCK = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -64,11 +78,35 @@ _ATTENTION = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_LAYER_TENSORS = {
+    **_BLOCK,
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# Phi-3's ``ffn_up`` is its fused gate_up projection.
+_PHI3_TENSORS = {**_LAYER_TENSORS, "ffn_up": "mlp.gate_up_proj"}
+# Gemma's norms: ``ffn_norm`` is the one before the MLP, not Llama's post-attention norm.
+_GEMMA_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Whether the router's top-k weights are renormalised, where the file does not say
+# (``expert_weights_norm``): as llama.cpp runs each architecture.
+_DEFAULT_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+
+# llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE``: 1 softmax, 2 sigmoid.
+_SIGMOID_GATING = 2
+
+_ATTENTION = {**_BLOCK, "post_attention_norm": "post_attention_layernorm"}
 # GLM-4.5 and DeepSeek-V3's sparse layers: router, correction bias, ungated shared experts.
 _ROUTED = {
     **_ATTENTION,
@@ -129,6 +167,11 @@ class GgufArch:
     model_type: str
     config: Callable[[Path, Meta, set[str], dict[str, Any]], dict[str, Any]]
     layer_tensors: dict[str, str]
+    # Read one tensor at a time, kept quantized where a kernel can (the older architectures);
+    # else dequantized as read, for the transforms below.
+    streamed: bool = False
+    norm_plus_one: bool = False  # RMSNorm weights stored as Gemma's ``1 + weight``
+    longrope_factors: bool = False  # LongRoPE's factors stored as tensors (``rope_factors_*``)
     # The per-expert stacks split into transformers' per-expert tensors (GLM, DeepSeek).
     split_experts: bool = False
     permuted: bool = False  # Q/K rows permuted (llama.cpp's Llama converter)
@@ -247,6 +290,88 @@ def _qwen35_moe_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, A
     }
 
 
+# llama.cpp's Gemma defaults (llama-model.cpp, ``load_hparams``) for what its converter does
+# not write: the layer count of the 27B models, whose query scale is ``hidden / heads`` (the
+# others': ``head_dim``), and every n-th layer full, the rest sliding.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_DEFAULT_WINDOW = 4096
+
+
+def _gemma_fields(arch: str, file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's config fields, as transformers names them. llama.cpp's converter writes the
+    window, Gemma 2's soft caps and a final soft cap where Gemma 3 has one; the query scale
+    (``query_pre_attn_scalar``), which layers slide, and Gemma 3's sliding-layer RoPE base
+    (10000, no scaling) are not in the file (read here where a newer file has them:
+    ``attention.sliding_window_pattern``, ``rope.freq_base_swa``) and are llama.cpp's defaults."""
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}  # (llama.cpp's GELU: the tanh form)
+    if layers == _GEMMA_27B_LAYERS[arch] and hidden and heads:
+        out["query_pre_attn_scalar"] = hidden // heads
+    else:
+        out["query_pre_attn_scalar"] = cfg["head_dim"]
+    # llama.cpp: Gemma 2 always slides (4096 unless the file says), Gemma 3 only with a window.
+    window = meta("attention.sliding_window", _GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else None)
+    if window and layers:
+        pattern = meta("attention.sliding_window_pattern", _GEMMA_SLIDING_PATTERN[arch])
+        if isinstance(pattern, list):  # one flag per layer: sliding or not
+            if len(pattern) != layers:
+                raise ValueError(
+                    f"{file.name}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                    f"for {layers} layers"
+                )
+            sliding = [bool(p) for p in pattern]
+        else:  # every n-th layer full (0: no layer full)
+            sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+        out["sliding_window"] = window
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if arch == "gemma2":  # llama.cpp's defaults where the file has no soft caps
+        out["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
+        out["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
+    else:
+        if meta("final_logit_softcapping"):
+            out["final_logit_softcapping"] = meta("final_logit_softcapping")
+        out["rope_local_base_freq"] = meta("rope.freq_base_swa", 10_000.0)
+    return out
+
+
+def _phi3_fields(file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's sliding window (its LongRoPE factors are tensors: ``GgufArch.longrope_factors``)."""
+    window = meta("attention.sliding_window")
+    return {"sliding_window": window} if window else {}
+
+
+def _stacked_moe_fields(arch: str, file: Path, meta: Meta, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """With ``expert_count`` set, the mixture-of-experts config fields as transformers names
+    them (every layer sparse: llama.cpp's layout for these architectures); a ``llama`` file
+    with experts is Mixtral."""
+    if not meta("expert_count"):
+        return {}
+    if "blk.0.ffn_gate_exps.weight" not in names:
+        raise ValueError(
+            f"{file.name}: mixture-of-experts without stacked expert tensors (blk.N.ffn_gate_exps; an older "
+            "llama.cpp layout with one tensor per expert) is not supported"
+        )
+    out: dict[str, Any] = {"num_experts_per_tok": meta("expert_used_count")}
+    if arch == "llama":
+        out["model_type"] = "mixtral"
+        out["num_local_experts"] = meta("expert_count")
+        out["intermediate_size"] = meta("expert_feed_forward_length") or meta("feed_forward_length")
+        return out
+    out.update(
+        num_experts=meta("expert_count"),
+        moe_intermediate_size=meta("expert_feed_forward_length"),
+        norm_topk_prob=bool(meta("expert_weights_norm", _DEFAULT_NORM_TOPK[arch])),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        shared_expert_intermediate_size=meta("expert_shared_feed_forward_length", 0),
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+    # Qwen MoE files may give no dense feed-forward length (every layer is sparse).
+    out["intermediate_size"] = meta("feed_forward_length") or out["moe_intermediate_size"]
+    return out
+
+
 def _grouped_v_heads(w: np.ndarray, axis: int, k_heads: int, per_k: int, head_dim: int) -> np.ndarray:
     """Value heads from llama.cpp's tiled order (``[k0 v0, k1 v0, ..., k0 v1, ...]``) back to
     transformers' grouped by key head, along ``axis``."""
@@ -332,7 +457,30 @@ def _merge_kv_b(tensors: Tensors, spec: ModelSpec, file: Path) -> Tensors:
         raise ValueError(f"{file.name}: attn_k_b without attn_v_b (or the reverse): {sorted(pending)}")
 
 
+# In the order refusals list them. Mistral checkpoints are written as ``llama``.
 ARCHITECTURES: dict[str, GgufArch] = {
+    "llama": GgufArch(
+        "llama",
+        functools.partial(_stacked_moe_fields, "llama"),
+        _LAYER_TENSORS,
+        streamed=True,
+        permuted=True,
+    ),
+    "qwen2": GgufArch("qwen2", _no_fields, _LAYER_TENSORS, streamed=True),
+    "qwen3": GgufArch("qwen3", _no_fields, _LAYER_TENSORS, streamed=True),
+    "phi3": GgufArch("phi3", _phi3_fields, _PHI3_TENSORS, streamed=True, longrope_factors=True),
+    "qwen2moe": GgufArch(
+        "qwen2_moe", functools.partial(_stacked_moe_fields, "qwen2moe"), _LAYER_TENSORS, streamed=True
+    ),
+    "qwen3moe": GgufArch(
+        "qwen3_moe", functools.partial(_stacked_moe_fields, "qwen3moe"), _LAYER_TENSORS, streamed=True
+    ),
+    "gemma2": GgufArch(
+        "gemma2", functools.partial(_gemma_fields, "gemma2"), _GEMMA_TENSORS, streamed=True, norm_plus_one=True
+    ),
+    "gemma3": GgufArch(
+        "gemma3_text", functools.partial(_gemma_fields, "gemma3"), _GEMMA_TENSORS, streamed=True, norm_plus_one=True
+    ),
     "smollm3": GgufArch("smollm3", _no_fields, _ATTENTION, permuted=True),
     "gpt-oss": GgufArch(
         "gpt_oss",
@@ -353,14 +501,15 @@ ARCHITECTURES: dict[str, GgufArch] = {
         "qwen3_5_moe_text", _qwen35_moe_fields, _QWEN35_MOE, split_experts=True, transform=_qwen35_tensor
     ),
 }
-_BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
+_BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()} | {"mixtral": ARCHITECTURES["llama"]}
 
 
 def for_model_type(model_type: str) -> GgufArch | None:
     return _BY_MODEL_TYPE.get(model_type)
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows: per head, (dim/2, 2) back to (2, dim/2)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -414,9 +563,9 @@ def iter_tensors(arch: GgufArch, file: Path, spec: ModelSpec, tensors: Iterable[
             if arch.transform is not None:
                 weights = arch.transform(gguf_name, weights, spec)
             if arch.permuted and ".attn_q." in gguf_name:
-                weights = _unpermute(weights, spec.num_heads)
+                weights = unpermute(weights, spec.num_heads)
             elif arch.permuted and ".attn_k." in gguf_name:
-                weights = _unpermute(weights, spec.num_kv_heads)
+                weights = unpermute(weights, spec.num_kv_heads)
             full = torch.from_numpy(np.array(weights, dtype=np.float32))
             if names is None:
                 yield file.name, gguf_name, full
