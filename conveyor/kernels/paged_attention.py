@@ -51,7 +51,7 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
-def _paged_attn_kernel(
+def _paged_attn_kernel(  # noqa: C901  (one Triton program: its branches are compile-time constexpr switches)
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -377,33 +377,14 @@ def paged_attention(
     An FP8 cache (``torch.float8_e4m3fn``, a scale of 1) is read into ``q``'s dtype, decoded
     in arithmetic on GPUs without the e4m3 type (``decode_e4m3``: by default before sm_89).
     """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    q, block_tables, out = _checked_inputs(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, sliding_window, softcap, sinks
+    )
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, head_dim_c = k_cache.shape
-    assert head_dim_c == head_dim, (head_dim_c, head_dim)
-    assert v_cache.shape == k_cache.shape
-    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert fp8 or q.dtype == k_cache.dtype, (q.dtype, k_cache.dtype)
-    decode = fp8 and (e4m3_in_arithmetic(k_cache.device) if decode_e4m3 is None else decode_e4m3)
-    assert block_tables.dim() == 2
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = block_tables.shape[0]
-    assert query_start_loc.shape[0] == num_seqs + 1 and seq_lens.shape[0] == num_seqs
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if out is None:
-        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    else:
-        assert out.shape == (num_tokens, num_q_heads, head_dim) and out.stride(-1) == 1
-    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.stride(0) != 1):
-        raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor, got {tuple(sinks.shape)}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    decode = fp8 and (e4m3_in_arithmetic(k_cache.device) if decode_e4m3 is None else decode_e4m3)
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -507,3 +488,45 @@ def paged_attention(
             num_warps=4 if block_h * head_dim_pad >= 256 else 2,
         )
     return out
+
+
+def _checked_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``paged_attention``'s arguments checked; ``q`` and ``block_tables`` made contiguous along
+    their last dim where they are not, and the output (``out``, or a new one)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, head_dim_c = k_cache.shape
+    assert head_dim_c == head_dim, (head_dim_c, head_dim)
+    assert v_cache.shape == k_cache.shape
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == torch.float8_e4m3fn or q.dtype == k_cache.dtype, (q.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2
+    num_seqs = block_tables.shape[0]
+    assert query_start_loc.shape[0] == num_seqs + 1 and seq_lens.shape[0] == num_seqs
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == (num_tokens, num_q_heads, head_dim) and out.stride(-1) == 1
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor, got {tuple(sinks.shape)}")
+    return q, block_tables, out

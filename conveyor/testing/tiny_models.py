@@ -296,7 +296,41 @@ def build_tiny_model(
         fallback_config = transformers.AutoConfig.for_model(family, **fallback_kwargs)
         eos = [tokenizer.eos_token_id]
         return _save_random(path, fallback_config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
-    config_cls = {
+    config_cls = _config_class(family)
+    tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
+    kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    _add_family_fields(
+        kwargs, family, vocab=vocab, num_layers=num_layers, num_heads=num_heads, hidden_size=hidden_size,
+        head_dim=head_dim, moe=moe, mla=mla, rope_scaling=rope_scaling, partial_rotary_factor=partial_rotary_factor,
+    )  # fmt: skip
+    if sliding_window is not None:
+        kwargs["sliding_window"] = sliding_window
+    if partial_rotary_factor is not None:
+        kwargs["partial_rotary_factor"] = partial_rotary_factor
+    if family == "phi3" and rope_scaling and "original_max_position_embeddings" in rope_scaling:
+        # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
+        kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    kwargs.update(overrides or {})
+    if "intermediate_size" not in config_cls().to_dict():  # (Qwen3.5-MoE: no dense MLP, no such key)
+        del kwargs["intermediate_size"]
+    config = config_cls(**kwargs)
+    if rope_theta is not None:
+        _set_rope_theta(config, rope_theta)
+    if rope_scaling:
+        if partial_rotary_factor is not None:
+            rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
+        _set_rope(config, rope_scaling)
+    eos = [tokenizer.eos_token_id]
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
+
+
+def _config_class(family: str) -> type:
+    """transformers' config class of ``family``."""
+    import transformers
+
+    return {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
@@ -317,8 +351,24 @@ def build_tiny_model(
         "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
         "qwen3_next": transformers.Qwen3NextConfig,
     }[family]
-    tie = family in ("qwen2", "qwen3") if tie_word_embeddings is None else tie_word_embeddings
-    kwargs = dict(common, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+
+
+def _add_family_fields(
+    kwargs: dict,
+    family: str,
+    *,
+    vocab: int,
+    num_layers: int,
+    num_heads: int,
+    hidden_size: int,
+    head_dim: int | None,
+    moe: dict | None,
+    mla: dict | None,
+    rope_scaling: dict | None,
+    partial_rotary_factor: float | None,
+) -> None:
+    """The config fields ``family`` adds to the common ones (its experts, latent attention,
+    layer kinds, head size)."""
     if family in MOE_DEFAULTS or moe:
         kwargs.update({**MOE_DEFAULTS.get(family, {}), **(moe or {})})
     if family == "deepseek_v3":  # every head its own latent projections: no GQA
@@ -351,27 +401,6 @@ def build_tiny_model(
         kwargs["sliding_window"] = None
     if family == "smollm3":  # every second layer NoPE, and those sliding (window 8)
         kwargs.update(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, attention_bias=True)
-    if sliding_window is not None:
-        kwargs["sliding_window"] = sliding_window
-    if partial_rotary_factor is not None:
-        kwargs["partial_rotary_factor"] = partial_rotary_factor
-    if family == "phi3" and rope_scaling and "original_max_position_embeddings" in rope_scaling:
-        # Phi-3 keeps it beside max_position_embeddings; transformers copies it into the rope dict.
-        kwargs["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
-    kwargs.update(overrides or {})
-    if "intermediate_size" not in config_cls().to_dict():  # (Qwen3.5-MoE: no dense MLP, no such key)
-        del kwargs["intermediate_size"]
-    config = config_cls(**kwargs)
-    if rope_theta is not None:
-        _set_rope_theta(config, rope_theta)
-    if rope_scaling:
-        if partial_rotary_factor is not None:
-            rope_scaling = {**rope_scaling, "partial_rotary_factor": partial_rotary_factor}
-        _set_rope(config, rope_scaling)
-    eos = [tokenizer.eos_token_id]
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    return _save_random(path, config, tokenizer, seed, init_std, eos, legacy_config, save_dtype)
 
 
 def _save_random(
